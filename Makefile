@@ -1,0 +1,27 @@
+# Two entry points, each creating its own virtual environment on a fresh machine:
+#   make demo   runs the main job
+#   make test   runs the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: demo test clean
+
+$(VENV)/.base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(PY) -m pip install -q -e '.[test,reference]'
+	touch $@
+
+demo: $(VENV)/.base
+	$(PY) -m profiling.bench_scheduler --quick
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)
