@@ -1,0 +1,163 @@
+"""Lossless speculative verification for a batch with a different verification length per request.
+
+Axis legend: R requests, G drafted tokens per request, V vocabulary.
+
+One round for request ``r`` (spec section 1): the target ran on ``[x0, x1..x_l]`` with ``l = lengths[r]``
+and produced ``target_probs[r, i]``, the distribution of the token after input position ``i``. Drafts are
+accepted left to right, ``x_k`` with probability ``min(1, p_t[k-1](x_k) / p_d[k](x_k))``; at the first
+rejection the next token is drawn from ``normalize(max(p_t[k-1] - p_d[k], 0))`` (``p_t[k-1]`` if that
+has no mass), and if all ``l`` drafts are accepted a bonus token is drawn from ``p_t[l]``. The emitted
+tokens then follow the target distribution exactly, for every ``l`` in ``0..G``.
+
+``draft_probs`` must be exactly the float32 distributions the drafts were sampled from (after any
+sequential-head bias and temperature); any mismatch silently breaks losslessness. Entries of
+``target_probs`` at positions beyond ``lengths[r]`` are never read, so they may hold anything.
+
+EOS handling (stop at an accepted EOS, no bonus) belongs to the caller, which knows the EOS ids.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["acceptance_probs", "next_token_probs", "speculative_accept", "greedy_accept", "leading_true"]
+
+
+def _gather_last(x, idx):
+    """x [..., V], idx [...] -> x[..., idx]."""
+    return jnp.take_along_axis(x, idx[..., None], axis=-1)[..., 0]
+
+
+def leading_true(flags: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Number of leading True values of ``flags`` [R, G] within the first ``lengths`` [R] entries."""
+    g = flags.shape[-1]
+    within = jnp.arange(g)[None, :] < lengths[:, None]
+    return jnp.sum(jnp.cumprod(flags & within, axis=-1), axis=-1, dtype=jnp.int32)
+
+
+@jax.jit
+def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array, target_probs: jax.Array) -> jax.Array:
+    """Probability ``min(1, p_t[k-1](x_k) / p_d[k](x_k))`` that each draft is accepted given its prefix.
+
+    Args:
+      draft_tokens: int [R, G].
+      draft_probs: float [R, G, V], the distributions the drafts were sampled from.
+      target_probs: float [R, G + 1, V].
+
+    Returns:
+      float32 [R, G].
+
+    >>> acceptance_probs(jnp.array([[0]]), jnp.array([[[0.5, 0.5]]]), jnp.array([[[0.25, 0.75], [1., 0.]]])).tolist()
+    [[0.5]]
+    """
+    pd = _gather_last(draft_probs.astype(jnp.float32), draft_tokens)  # [R, G]
+    pt = _gather_last(target_probs[:, :-1].astype(jnp.float32), draft_tokens)  # [R, G]
+    safe = jnp.where(pd > 0, pd, 1.0)
+    return jnp.where(pd > 0, jnp.minimum(1.0, pt / safe), (pt > 0).astype(jnp.float32))
+
+
+@jax.jit
+def next_token_probs(
+    draft_probs: jax.Array, target_probs: jax.Array, num_accepted: jax.Array, lengths: jax.Array
+) -> jax.Array:
+    """Distribution of the token emitted after ``num_accepted`` accepted drafts.
+
+    The residual ``normalize(max(p_t[n] - p_d[n], 0))`` after a rejection at draft ``n + 1`` (``n <
+    lengths``), falling back to ``p_t[n]`` when the residual has no mass; the bonus ``p_t[l]`` when all
+    ``l = lengths`` drafts were accepted.
+
+    Args:
+      draft_probs: float [R, G, V].
+      target_probs: float [R, G + 1, V].
+      num_accepted: int [R], each in 0..lengths.
+      lengths: int [R], each in 0..G.
+
+    Returns:
+      float32 [R, V].
+    """
+    g = draft_probs.shape[1]
+    n = num_accepted.astype(jnp.int32)
+    pt = jnp.take_along_axis(target_probs.astype(jnp.float32), n[:, None, None], axis=1)[:, 0]  # [R, V]
+    pd = jnp.take_along_axis(draft_probs.astype(jnp.float32), jnp.minimum(n, g - 1)[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(pt - pd, 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), pt)
+    rejected = (n < lengths)[:, None]
+    return jnp.where(rejected, residual, pt)
+
+
+def _row_keys(key, num_rows):
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    if key.ndim == 0:
+        return jax.random.split(key, num_rows)
+    if key.shape != (num_rows,):
+        raise ValueError(f"key: expected one key or a batch of {num_rows} keys, got key shape {key.shape}")
+    return key
+
+
+@jax.jit
+def speculative_accept(
+    key: jax.Array,
+    draft_tokens: jax.Array,
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    lengths: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Sampled speculative acceptance with a verification length per request (exactly lossless).
+
+    Args:
+      key: one PRNG key (split per row) or a batch of R keys (one per row, so a row's outcome does not
+        depend on the rest of the batch). New-style or raw uint32 keys.
+      draft_tokens: int [R, G].
+      draft_probs: float [R, G, V], the exact distributions the drafts were drawn from.
+      target_probs: float [R, G + 1, V]; row ``i`` is the target's next-token distribution after input
+        position ``i`` of ``[x0, x1..x_l]``.
+      lengths: int [R], drafts verified per row, each in 0..G.
+
+    Returns:
+      ``(num_accepted, next_token)``: int32 [R] accepted drafts (0..lengths) and int32 [R] the token
+      emitted after them (replacement or bonus).
+    """
+    num_rows, g = draft_tokens.shape
+    keys = _row_keys(key, num_rows)
+    lengths = lengths.astype(jnp.int32)
+
+    def row_randomness(k):
+        k_accept, k_sample = jax.random.split(k)
+        return jax.random.uniform(k_accept, (g,)), k_sample
+
+    u, sample_keys = jax.vmap(row_randomness)(keys)  # [R, G], [R]
+    accepted = u < acceptance_probs(draft_tokens, draft_probs, target_probs)
+    n = leading_true(accepted, lengths)
+    probs = next_token_probs(draft_probs, target_probs, n, lengths)  # [R, V]
+    logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
+    nxt = jax.vmap(jax.random.categorical)(sample_keys, logp).astype(jnp.int32)
+    return n, nxt
+
+
+@jax.jit
+def greedy_accept(
+    draft_tokens: jax.Array, target_logits: jax.Array, lengths: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Temperature-0 acceptance: accept while each draft equals the target's argmax.
+
+    Args:
+      draft_tokens: int [R, G].
+      target_logits: float [R, G + 1, V] (or probabilities: only the argmax is used; ties take the
+        lowest token id, as ``jnp.argmax`` in plain greedy decoding).
+      lengths: int [R], each in 0..G.
+
+    Returns:
+      ``(num_accepted, next_token)``, int32 [R] each.
+
+    >>> greedy_accept(jnp.array([[1, 0]]), jnp.array([[[0., 1.], [0., 1.], [1., 0.]]]), jnp.array([2]))
+    (Array([1], dtype=int32), Array([1], dtype=int32))
+    """
+    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [R, G + 1]
+    n = leading_true(draft_tokens.astype(jnp.int32) == best[:, :-1], lengths.astype(jnp.int32))
+    nxt = jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]
+    return n, nxt
