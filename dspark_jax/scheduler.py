@@ -24,7 +24,7 @@ comes first); walking the ranking, batch tokens ``B = R + n`` and expected token
   stale confidences, which is how :func:`capacity` uses it.
 
 Beyond a full sort: the number of admitted drafts is bounded by the table (``B < N``), and in practice
-the walk stops early. The ranking is therefore built in stages with ``lax.top_k`` (k = 64, 256, 1024,
+the walk stops early. The ranking is therefore built in stages with ``lax.top_k`` (k = 64, 128, 256,
 ...), each stage run only when the previous one could not decide (``lax.cond``); the last stage is a
 stable sort of all ``R * G`` values when the bound is more than half of them. For ``argmax`` a stage
 is final when an upper bound on the rest of the path (every later candidate adds at most the current
@@ -52,10 +52,11 @@ __all__ = [
     "top_k_lengths",
     "check_inputs",
     "schedule_checked",
+    "algorithm1_loop",
 ]
 
 STOP_RULES = ("first_drop", "argmax")
-_STAGE_SIZES = (64, 256, 1024, 4096, 16384)
+_STAGE_SIZES = tuple(64 * 2**i for i in range(12))
 # A stage is final for "argmax" only when the bound on the unexplored path is below the best point by
 # this relative margin, so that float rounding can never hide a later, better point.
 _BOUND_SLACK = 1e-5
@@ -175,6 +176,7 @@ def _walk(a, r_act, sps, stop, k_max):
     a_flat = a.reshape(-1)
     stages = _stage_plan(num_rows * block, k_max)
     theta0 = r_act.astype(jnp.float32) * sps_lookup(sps, r_act)
+    total_mass = r_act.astype(jnp.float32) + jnp.sum(a)
 
     def stage(i):
         k, full = stages[i]
@@ -200,9 +202,12 @@ def _walk(a, r_act, sps, stop, k_max):
         else:
             n_adm = jnp.argmax(path).astype(jnp.int32)  # first maximum: ties keep the shorter path
             best = path[n_adm]
-            # Every later candidate adds at most vals[k-1] to tau: bound Theta_m for m in k+1..k_max.
+            # Every later candidate adds at most vals[k-1] to tau, and all of them together at most the
+            # survival mass not yet ranked: bound Theta_m for m in k+1..k_max.
             m = jnp.arange(k + 1, max(k_max, k) + 1, dtype=jnp.int32)
-            bound = (tau[k - 1] + (m - k).astype(jnp.float32) * vals[k - 1]) * sps_lookup(sps, r_act + m)
+            rest = jnp.maximum(total_mass - tau[k - 1], 0.0) * (1 + _BOUND_SLACK)
+            gain = jnp.minimum((m - k).astype(jnp.float32) * vals[k - 1], rest)
+            bound = (tau[k - 1] + gain) * sps_lookup(sps, r_act + m)
             decided = (vals[k - 1] <= 0) | (jnp.max(bound, initial=-jnp.inf) < best * (1 - _BOUND_SLACK))
         tau_adm = jnp.where(n_adm > 0, tau[jnp.maximum(n_adm - 1, 0)], r_act.astype(jnp.float32))
         out = (_prefix_lengths(a, vals, idx, n_adm), n_adm, tau_adm, path[n_adm])
@@ -375,3 +380,43 @@ def schedule_checked(confidences, sps, *, active=None, stop: str = "first_drop")
     check_inputs(confidences, sps, active=active)
     act = None if active is None else jnp.asarray(active)
     return schedule(jnp.asarray(confidences, jnp.float32), jnp.asarray(sps, jnp.float32), active=act, stop=stop)
+
+
+def algorithm1_loop(conf, sps, active=None):
+    """Algorithm 1 written as the spec's plain Python loop (reference for tests and benchmarks).
+
+    Returns ``(lengths, batch_tokens, tau, theta, min_rel_gap)`` computed in float64 from the float32
+    survival; ``min_rel_gap`` is the smallest relative gap of any comparison the loop made (below ~1e-5
+    the float32 :func:`schedule` may legitimately decide the other way).
+    """
+    a = np.cumprod(np.asarray(conf, np.float32), axis=1, dtype=np.float32)
+    a = np.where(a >= np.finfo(np.float32).tiny, a, np.float32(0))
+    if active is not None:
+        a = np.where(np.asarray(active)[:, None], a, np.float32(0))
+
+    def sps_at(b):
+        return float(sps[b]) if 0 <= b < len(sps) else 0.0
+
+    rows, block = a.shape
+    r_act = rows if active is None else int(np.sum(active))
+    cands = [(r, j) for r in range(rows) for j in range(block) if a[r, j] > 0]
+    cands.sort(key=lambda rj: -float(a[rj]))
+    lengths = [0] * rows
+    b, tau = r_act, float(r_act)
+    best = tau * sps_at(b)
+    gap = np.inf
+    for r, j in cands:
+        s_prev, s_next = sps_at(b), sps_at(b + 1)
+        theta = (tau + float(a[r, j])) * s_next
+        # Theta gains a*s_next and loses tau*(s_prev - s_next): a tie when those nearly cancel.
+        gain, loss = float(a[r, j]) * s_next, tau * (s_prev - s_next)
+        if gain + abs(loss) > 0:
+            gap = min(gap, abs(gain - loss) / (gain + abs(loss)))
+        if theta > best:
+            best = theta
+            b += 1
+            tau += float(a[r, j])
+            lengths[r] = j + 1
+        else:
+            break
+    return np.array(lengths), b, tau, best, gap

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dspark_jax.scheduler import algorithm1_loop as algorithm1  # noqa: F401  (the plain loop)
+
 
 def survival(conf, active=None):
     a = np.cumprod(np.asarray(conf, np.float32), axis=1, dtype=np.float32)
@@ -40,38 +42,6 @@ def greedy_path(conf, sps, active=None):
         order.append((r, j))
         thetas.append(tau * sps_at(sps, b))
     return order, thetas, a, r_act
-
-
-def algorithm1(conf, sps, active=None):
-    """Algorithm 1 (first drop) as a loop. Returns (lengths, batch, tau, theta, min_rel_gap).
-
-    min_rel_gap is the smallest relative gap of any comparison the loop made: below ~1e-5 the float32
-    implementation may legitimately decide the other way.
-    """
-    a = survival(conf, active)
-    rows, block = a.shape
-    r_act = rows if active is None else int(np.sum(active))
-    cands = [(r, j) for r in range(rows) for j in range(block) if a[r, j] > 0]
-    cands.sort(key=lambda rj: -float(a[rj]))
-    lengths = [0] * rows
-    b, tau = r_act, float(r_act)
-    best = tau * sps_at(sps, b)
-    gap = np.inf
-    for r, j in cands:
-        s_prev, s_next = sps_at(sps, b), sps_at(sps, b + 1)
-        theta = (tau + float(a[r, j])) * s_next
-        # Theta gains a*s_next and loses tau*(s_prev - s_next): a tie when those nearly cancel.
-        gain, loss = float(a[r, j]) * s_next, tau * (s_prev - s_next)
-        if gain + abs(loss) > 0:
-            gap = min(gap, abs(gain - loss) / (gain + abs(loss)))
-        if theta > best:
-            best = theta
-            b += 1
-            tau += float(a[r, j])
-            lengths[r] = j + 1
-        else:
-            break
-    return np.array(lengths), b, tau, best, gap
 
 
 def argmax_rule(conf, sps, active=None):
