@@ -1,0 +1,508 @@
+"""Llama-family target model as plain pytrees and functions, with a slotted KV cache.
+
+One forward serves three entry points: chunked prefill of a prompt into a slot, plain decode of one token
+per active slot, and packed verification of a flat, ragged batch of tokens drawn from many slots.
+The layers are stacked on a leading axis and run by one `lax.scan`, so one layer body is compiled.
+
+Axis legend (also the einsum letters):
+    T new tokens in a call (static, padded to a bucket)   S request slots of the cache
+    C cache capacity per slot                             L decoder layers
+    D model width       F FFN width       V vocabulary    N tapped layers
+    H query heads       K key/value heads Q query heads per K/V head (H = K * Q)
+    E head dimension
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# Padded sizes for the number of new tokens in one packed call: the cost of a step grows with the real
+# number of tokens, and each size compiles once.
+BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
+# Chunk sizes for prefill: a prompt is cut into chunks of these sizes, so prompt lengths do not each compile.
+PREFILL_CHUNKS = (16, 64, 256)
+
+
+def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int:
+    """The smallest bucket that holds `n` tokens.
+
+    >>> bucket_for(9)
+    16
+    """
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"n={n} tokens exceed the largest bucket {buckets[-1]} (buckets: {tuple(buckets)})")
+
+
+def default_tap_layers(n_layers: int, m: int = 5) -> tuple[int, ...]:
+    """The m target layers whose raw outputs feed the drafter (spec section 2.1).
+
+    round(1 + i * (L - 4) / (m - 1)) for i = 0..m-1 (Python's round, as the public code), clipped so the
+    final layer is never tapped when the model has more than one layer.
+
+    >>> default_tap_layers(30)
+    (1, 8, 14, 20, 27)
+    """
+    last = max(n_layers - 2, 0)
+    return tuple(min(max(round(1 + i * (n_layers - 4) / (m - 1)), 0), last) for i in range(m))
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Static model hyperparameters (hashable: passed to jitted functions as a static argument)."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    tap_layers: tuple[int, ...] | None = None  # None: default_tap_layers(n_layers)
+
+    def __post_init__(self):
+        if self.tap_layers is None:
+            object.__setattr__(self, "tap_layers", default_tap_layers(self.n_layers))
+        else:
+            object.__setattr__(self, "tap_layers", tuple(int(i) for i in self.tap_layers))
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        bad = [i for i in self.tap_layers if not 0 <= i < self.n_layers]
+        if bad:
+            raise ValueError(f"tap_layers {self.tap_layers} must lie in [0, {self.n_layers}); got {bad}")
+
+    @classmethod
+    def tiny(cls, **overrides) -> "LlamaConfig":
+        """A small random-weight config for fast tests (vocab 64, 2 layers, width 32)."""
+        base = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
+                    rope_base=10000.0, norm_eps=1e-5, tie_embeddings=True)
+        base.update(overrides)
+        return cls(**base)
+
+
+# SmolLM2-135M-Instruct, as its GGUF metadata states it (load_gguf reads the config from the file).
+SMOLLM2_135M = LlamaConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+                           ffn_dim=1536, rope_base=100000.0, norm_eps=1e-5, tie_embeddings=True)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerWeights:
+    """Per-layer weights stacked on a leading [L] axis; projections are applied as x @ W."""
+
+    attn_norm: jax.Array  # [L, D]
+    wq: jax.Array  # [L, D, H*E]  (rows in the rotate-half layout of Hugging Face, not llama.cpp's)
+    wk: jax.Array  # [L, D, K*E]
+    wv: jax.Array  # [L, D, K*E]
+    wo: jax.Array  # [L, H*E, D]
+    mlp_norm: jax.Array  # [L, D]
+    w_gate: jax.Array  # [L, D, F]
+    w_up: jax.Array  # [L, D, F]
+    w_down: jax.Array  # [L, F, D]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LlamaWeights:
+    embed: jax.Array  # [V, D]
+    layers: LayerWeights
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None = None  # [D, V]; None when tied to embed
+
+    def replace(self, **kw) -> "LlamaWeights":
+        return dataclasses.replace(self, **kw)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Keys (after RoPE) and values of every slot; `lengths[s]` tokens of slot s are committed.
+
+    Entries at positions >= lengths[s] may hold written but uncommitted K/V (a verification's rejected
+    tail); they are invisible to a token at an earlier position and get overwritten later.
+    """
+
+    k: jax.Array  # [L, S, C, K, E]
+    v: jax.Array  # [L, S, C, K, E]
+    lengths: jax.Array  # int32 [S]
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def replace(self, **kw) -> "KVCache":
+        return dataclasses.replace(self, **kw)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ForwardExtras:
+    """Hidden states the drafter needs, for every token of the call."""
+
+    taps: jax.Array  # [T, N, D] raw outputs (residual stream) of cfg.tap_layers
+    final_hidden: jax.Array  # [T, D] after the final RMSNorm
+
+
+def init_cache(cfg: LlamaConfig, num_slots: int, capacity: int, dtype: Any = jnp.float32) -> KVCache:
+    """An empty cache: `num_slots` slots of `capacity` positions each, all lengths 0."""
+    shape = (cfg.n_layers, num_slots, capacity, cfg.n_kv_heads, cfg.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   lengths=jnp.zeros((num_slots,), jnp.int32))
+
+
+def commit(cache: KVCache, slots: jax.Array, new_lengths: jax.Array) -> KVCache:
+    """Commit an accepted prefix: set lengths[slots] = new_lengths (the K/V are already written).
+
+    Args:
+        cache: the cache.
+        slots: int [R] slot indices (an index >= num_slots is ignored, so padded rows are harmless).
+        new_lengths: int [R] committed token count of each of those slots.
+    Returns:
+        the cache with moved lengths; K/V untouched.
+    """
+    lengths = cache.lengths.at[slots].set(jnp.asarray(new_lengths, jnp.int32), mode="drop")
+    return cache.replace(lengths=lengths)
+
+
+def init_random_weights(cfg: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32,
+                        scale: float = 0.02) -> LlamaWeights:
+    """Random weights for `cfg` (normal(0, scale) projections, norms near 1): for tests of shapes and masks."""
+    L, D, F, V = cfg.n_layers, cfg.dim, cfg.ffn_dim, cfg.vocab_size
+    HE, KE = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    shapes = dict(wq=(L, D, HE), wk=(L, D, KE), wv=(L, D, KE), wo=(L, HE, D), w_gate=(L, D, F),
+                  w_up=(L, D, F), w_down=(L, F, D))
+    keys = jax.random.split(key, len(shapes) + 5)
+    proj = {name: (scale * jax.random.normal(k, shp)).astype(dtype)
+            for (name, shp), k in zip(shapes.items(), keys)}
+    norm = lambda k, shp: (1.0 + 0.1 * jax.random.normal(k, shp)).astype(dtype)
+    layers = LayerWeights(attn_norm=norm(keys[-5], (L, D)), mlp_norm=norm(keys[-4], (L, D)), **proj)
+    embed = jax.random.normal(keys[-3], (V, D)).astype(dtype)
+    lm_head = None if cfg.tie_embeddings else (scale * jax.random.normal(keys[-1], (D, V))).astype(dtype)
+    return LlamaWeights(embed=embed, layers=layers, final_norm=norm(keys[-2], (D,)), lm_head=lm_head)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32, returned in x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+    """Rotary embedding in the rotate-half layout (pairs (i, i + E/2)).
+
+    Args:
+        x: [T, heads, E].
+        positions: int [T].
+    Returns:
+        [T, heads, E], same dtype.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))  # [E/2]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, E/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def masked_softmax(scores: jax.Array, mask: jax.Array, axis: int = -1) -> jax.Array:
+    """Softmax of float32 scores over `axis` where mask; a row with nothing visible gives zeros, not NaN."""
+    scores = jnp.where(mask, scores, -jnp.inf)
+    top = jnp.max(scores, axis=axis, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    e = jnp.where(mask, jnp.exp(scores - top), 0.0)
+    denom = jnp.sum(e, axis=axis, keepdims=True)
+    return e / jnp.where(denom > 0, denom, 1.0)
+
+
+def logits_from_hidden(weights: LlamaWeights, hidden: jax.Array) -> jax.Array:
+    """LM head: [..., D] final hidden -> [..., V] float32 logits."""
+    head = weights.embed.T if weights.lm_head is None else weights.lm_head  # [D, V]
+    return jnp.matmul(hidden.astype(jnp.float32), head.astype(jnp.float32))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The forward
+
+
+def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: jax.Array,
+             positions: jax.Array, valid: jax.Array, cfg: LlamaConfig, *, single_slot: bool
+             ) -> tuple[ForwardExtras, KVCache]:
+    """Shared body of the entry points: writes K/V of valid tokens, attends, returns hidden states.
+
+    With single_slot, every token belongs to slots[0] and the slot's cache is read once instead of once per token.
+    """
+    T = tokens.shape[0]
+    S, C = cache.num_slots, cache.capacity
+    H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    Q = H // K
+    dtype = weights.embed.dtype
+
+    write_slots = jnp.where(valid, slots, S)  # out of range: mode="drop" writes nothing for padding
+    read_slots = jnp.clip(slots, 0, S - 1)
+    # [T, C] a token sees its slot's positions up to its own (committed prefix + earlier new tokens).
+    visible = (jnp.arange(C)[None, :] <= positions[:, None]) & valid[:, None]
+
+    def layer(carry, lw: LayerWeights):
+        x, k_cache, v_cache, i = carry
+        h = rms_norm(x, lw.attn_norm, cfg.norm_eps)
+        q = rope((h @ lw.wq).reshape(T, H, E), positions, cfg.rope_base)  # [T, H, E]
+        k = rope((h @ lw.wk).reshape(T, K, E), positions, cfg.rope_base)  # [T, K, E]
+        v = (h @ lw.wv).reshape(T, K, E)
+        k_cache = k_cache.at[i, write_slots, positions].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[i, write_slots, positions].set(v.astype(v_cache.dtype), mode="drop")
+        q = q.reshape(T, K, Q, E).astype(jnp.float32) * (E ** -0.5)
+        if single_slot:
+            keys, values = k_cache[i, read_slots[0]], v_cache[i, read_slots[0]]  # [C, K, E]
+            scores = jnp.einsum("tkqe,cke->tkqc", q, keys.astype(jnp.float32))
+        else:
+            keys, values = k_cache[i, read_slots], v_cache[i, read_slots]  # [T, C, K, E]
+            scores = jnp.einsum("tkqe,tcke->tkqc", q, keys.astype(jnp.float32))
+        probs = masked_softmax(scores, visible[:, None, None, :])  # [T, K, Q, C]
+        if single_slot:
+            attn = jnp.einsum("tkqc,cke->tkqe", probs, values.astype(jnp.float32))
+        else:
+            attn = jnp.einsum("tkqc,tcke->tkqe", probs, values.astype(jnp.float32))
+        x = x + attn.reshape(T, H * E).astype(dtype) @ lw.wo
+        h = rms_norm(x, lw.mlp_norm, cfg.norm_eps)
+        x = x + (jax.nn.silu(h @ lw.w_gate) * (h @ lw.w_up)) @ lw.w_down
+        return (x, k_cache, v_cache, i + 1), x
+
+    x = weights.embed[tokens]  # [T, D]
+    (x, k_cache, v_cache, _), outs = lax.scan(layer, (x, cache.k, cache.v, jnp.int32(0)), weights.layers)
+    taps = jnp.moveaxis(outs[jnp.asarray(cfg.tap_layers)], 0, 1)  # [L, T, D] -> [T, N, D]
+    extras = ForwardExtras(taps=taps, final_hidden=rms_norm(x, weights.final_norm, cfg.norm_eps))
+    return extras, cache.replace(k=k_cache, v=v_cache)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def forward_packed(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: jax.Array,
+                   positions: jax.Array, valid: jax.Array, cfg: LlamaConfig
+                   ) -> tuple[jax.Array, ForwardExtras, KVCache]:
+    """Packed verification: a flat batch of tokens from many slots in one forward.
+
+    Every valid token writes its K/V at cache[slot, position] and attends to its own slot's entries at
+    positions <= its own: the committed prefix plus the earlier new tokens of the same slot written in this
+    call. Contract (not checked inside jit; see `check_packed`): a slot's new tokens have distinct positions
+    that continue its committed prefix (lengths[slot], lengths[slot] + 1, ...) and stay below the capacity.
+    Padding tokens (valid False) write nothing; their outputs are zeros-attention garbage to be ignored.
+    `cache.lengths` is not changed: commit the accepted prefix afterwards (`commit`). The cache is donated.
+
+    Args:
+        weights: model weights.
+        cache: KVCache with k, v [L, S, C, K, E].
+        tokens: int [T] token ids (T static: pad to `bucket_for`).
+        slots: int [T] slot of each token.
+        positions: int [T] position of each token in its slot.
+        valid: bool [T] False for padding.
+        cfg: static config.
+    Returns:
+        logits float32 [T, V], ForwardExtras (taps [T, N, D], final_hidden [T, D]), the cache with K/V written.
+
+    >>> cfg = LlamaConfig.tiny()
+    >>> w, c = init_random_weights(cfg, jax.random.key(0)), init_cache(cfg, 2, 16)
+    >>> logits, extras, c = forward_packed(w, c, jnp.array([3, 4, 5, 0]), jnp.array([0, 0, 1, 0]),
+    ...                                    jnp.array([0, 1, 0, 0]), jnp.array([True, True, True, False]), cfg)
+    >>> logits.shape, extras.taps.shape
+    ((4, 64), (4, 5, 32))
+    """
+    extras, cache = _forward(weights, cache, tokens, slots, positions, valid, cfg, single_slot=False)
+    return logits_from_hidden(weights, extras.final_hidden), extras, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def prefill(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slot: jax.Array, start: jax.Array,
+            n_valid: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, ForwardExtras, KVCache]:
+    """Prefill one chunk of a prompt into a slot and commit it.
+
+    Args:
+        tokens: int [P] chunk (P static, one of PREFILL_CHUNKS; the tail beyond n_valid is padding).
+        slot: int scalar slot index.
+        start: int scalar position of tokens[0]; the slot's first `start` entries are its committed prefix.
+        n_valid: int scalar, 1 <= n_valid <= P, and start + n_valid <= capacity.
+    Returns:
+        logits float32 [V] of the last valid token, ForwardExtras for all P chunk tokens (padding rows are
+        garbage), and the cache with lengths[slot] = start + n_valid.
+    """
+    P = tokens.shape[0]
+    idx = jnp.arange(P, dtype=jnp.int32)
+    slots = jnp.full((P,), slot, jnp.int32)
+    extras, cache = _forward(weights, cache, tokens, slots, start + idx, idx < n_valid, cfg, single_slot=True)
+    last = lax.dynamic_index_in_dim(extras.final_hidden, n_valid - 1, keepdims=False)  # [D]
+    cache = cache.replace(lengths=cache.lengths.at[slot].set(start + n_valid))
+    return logits_from_hidden(weights, last), extras, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def decode_step(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, active: jax.Array,
+                cfg: LlamaConfig) -> tuple[jax.Array, ForwardExtras, KVCache]:
+    """Plain decode: one token per active slot at position lengths[slot], then lengths += active.
+
+    Args:
+        tokens: int [S] the next token of each slot (ignored where not active).
+        active: bool [S].
+    Returns:
+        logits float32 [S, V], ForwardExtras ([S, N, D], [S, D]), the cache (donated) with lengths advanced.
+    """
+    S = cache.num_slots
+    slots = jnp.arange(S, dtype=jnp.int32)
+    extras, new_cache = _forward(weights, cache, tokens, slots, cache.lengths, active, cfg, single_slot=False)
+    new_cache = new_cache.replace(lengths=cache.lengths + active.astype(jnp.int32))
+    return logits_from_hidden(weights, extras.final_hidden), extras, new_cache
+
+
+def check_packed(cache: KVCache, tokens, slots, positions, valid) -> None:
+    """Validate a packed batch on the host (un-jitted): raises ValueError naming the argument."""
+    tokens, slots, positions, valid = (np.asarray(a) for a in (tokens, slots, positions, valid))
+    T = tokens.shape[0] if tokens.ndim == 1 else None
+    for name, a in (("tokens", tokens), ("slots", slots), ("positions", positions), ("valid", valid)):
+        if a.ndim != 1 or a.shape[0] != T:
+            raise ValueError(f"{name} must have shape [T] with T = len(tokens) = {T}; got {a.shape}")
+    S, C = cache.num_slots, cache.capacity
+    v = valid.astype(bool)
+    if np.any((slots[v] < 0) | (slots[v] >= S)):
+        raise ValueError(f"slots of valid tokens must lie in [0, {S}); got {slots[v].tolist()}")
+    if np.any((positions[v] < 0) | (positions[v] >= C)):
+        raise ValueError(f"positions of valid tokens must lie in [0, capacity={C}); got {positions[v].tolist()}")
+    lengths = np.asarray(cache.lengths)
+    for s in np.unique(slots[v]):
+        pos = np.sort(positions[v & (slots == s)])
+        expect = np.arange(lengths[s], lengths[s] + len(pos))
+        if not np.array_equal(pos, expect):
+            raise ValueError(f"positions of slot {s} must be {expect.tolist()} (continuing its committed length "
+                             f"{lengths[s]}); got {pos.tolist()}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Python-level convenience: a loaded model with bucketed entry points
+
+
+def prefill_chunks(n: int, chunks: Sequence[int] = PREFILL_CHUNKS) -> list[tuple[int, int]]:
+    """How a prompt of n tokens is cut: (chunk size, tokens taken) pairs, largest chunks first.
+
+    >>> prefill_chunks(300)
+    [(256, 256), (64, 44)]
+    """
+    out = []
+    while n > 0:
+        size = next((c for c in chunks if c >= n), chunks[-1])
+        out.append((size, min(n, size)))
+        n -= out[-1][1]
+    return out
+
+
+def prefill_prompt(weights: LlamaWeights, cache: KVCache, prompt_ids: Sequence[int], slot: int,
+                   cfg: LlamaConfig, *, start: int = 0, chunks: Sequence[int] = PREFILL_CHUNKS,
+                   return_extras: bool = False):
+    """Prefill a whole prompt into `slot` by fixed-size chunks; the slot's length becomes start + len(prompt).
+
+    Returns:
+        (logits float32 [V] of the last prompt token, ForwardExtras of the prompt tokens ([n, N, D], [n, D]) or
+        None unless return_extras, cache). The cache passed in is donated.
+    """
+    ids = np.asarray(prompt_ids, np.int32)
+    n = len(ids)
+    if n == 0:
+        raise ValueError("prompt_ids must hold at least one token")
+    if start + n > cache.capacity:
+        raise ValueError(f"prompt of {n} tokens from position {start} exceeds the slot capacity {cache.capacity}")
+    taps, finals = [], []
+    done = 0
+    for size, take in prefill_chunks(n, chunks):
+        chunk = np.zeros(size, np.int32)
+        chunk[:take] = ids[done:done + take]
+        logits, extras, cache = prefill(weights, cache, jnp.asarray(chunk), jnp.int32(slot),
+                                        jnp.int32(start + done), jnp.int32(take), cfg)
+        if return_extras:
+            taps.append(extras.taps[:take])
+            finals.append(extras.final_hidden[:take])
+        done += take
+    extras = (ForwardExtras(taps=jnp.concatenate(taps), final_hidden=jnp.concatenate(finals))
+              if return_extras else None)
+    return logits, extras, cache
+
+
+class LlamaModel:
+    """A loaded target: config, weights and tokenizer, with the jitted entry points.
+
+    The entry points are the module's jitted functions (compiled once per static shape); this class pads
+    packed batches to a bucket and prompts to prefill chunks.
+    """
+
+    def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, tokenizer=None):
+        self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
+
+    @classmethod
+    def from_gguf(cls, path: str | Path | None = None, dtype: Any = jnp.float32) -> "LlamaModel":
+        """Load a Llama-family GGUF (default: the cached SmolLM2-135M-Instruct, fetched once)."""
+        from dspark_jax.models.gguf import default_model_path, load_gguf
+        from dspark_jax.tokenizer import Tokenizer
+
+        path = default_model_path() if path is None else Path(path)
+        cfg, weights, meta = load_gguf(path, dtype=dtype)
+        return cls(cfg, weights, Tokenizer.from_metadata(meta))
+
+    @property
+    def dtype(self):
+        return self.weights.embed.dtype
+
+    def init_cache(self, num_slots: int, capacity: int, dtype: Any = None) -> KVCache:
+        return init_cache(self.cfg, num_slots, capacity, self.dtype if dtype is None else dtype)
+
+    def prefill(self, cache: KVCache, prompt_ids: Sequence[int], slot: int, *, start: int = 0,
+                return_extras: bool = False):
+        """See `prefill_prompt`."""
+        return prefill_prompt(self.weights, cache, prompt_ids, slot, self.cfg, start=start,
+                              return_extras=return_extras)
+
+    def decode(self, cache: KVCache, tokens, active):
+        """See `decode_step` (the cache is donated)."""
+        return decode_step(self.weights, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(active, bool),
+                           self.cfg)
+
+    def verify(self, cache: KVCache, tokens, slots, positions, valid=None, *, check: bool = False):
+        """Packed verification padded to `bucket_for(len(tokens))`; returns unpadded logits and extras.
+
+        With check=True the batch is validated on the host first (`check_packed`).
+        """
+        tokens = np.asarray(tokens, np.int32)
+        n = len(tokens)
+        valid = np.ones(n, bool) if valid is None else np.asarray(valid, bool)
+        if check:
+            check_packed(cache, tokens, slots, positions, valid)
+        T = bucket_for(n)
+        pad = lambda a, dt: np.concatenate([np.asarray(a, dt), np.zeros(T - n, dt)])
+        logits, extras, cache = forward_packed(self.weights, cache, pad(tokens, np.int32), pad(slots, np.int32),
+                                               pad(positions, np.int32), pad(valid, bool), self.cfg)
+        extras = ForwardExtras(taps=extras.taps[:n], final_hidden=extras.final_hidden[:n])
+        return logits[:n], extras, cache
+
+    def score(self, ids: Sequence[int], capacity: int | None = None) -> jax.Array:
+        """Teacher-forced logits float32 [n, V] of a whole sequence (fresh one-slot cache)."""
+        n = len(ids)
+        cache = self.init_cache(1, capacity or -(-n // 256) * 256)  # rounded up: few distinct cache shapes
+        _, extras, _ = self.prefill(cache, ids, 0, return_extras=True)
+        return logits_from_hidden(self.weights, extras.final_hidden)
