@@ -13,6 +13,10 @@ tokens then follow the target distribution exactly, for every ``l`` in ``0..G``.
 sequential-head bias and temperature); any mismatch silently breaks losslessness. Entries of
 ``target_probs`` at positions beyond ``lengths[r]`` are never read, so they may hold anything.
 
+A drafter with a reduced vocabulary passes ``draft_vocab`` (int [W], strictly increasing token ids) and
+``draft_probs`` over those W tokens; the draft distribution is zero on every other token, which is exactly
+what the acceptance rule and the residual then use.
+
 EOS handling (stop at an accepted EOS, no bonus) belongs to the caller, which knows the EOS ids.
 """
 
@@ -37,14 +41,34 @@ def leading_true(flags: jax.Array, lengths: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(flags & within, axis=-1), axis=-1, dtype=jnp.int32)
 
 
+def _draft_prob_of(draft_probs, tokens, draft_vocab):
+    """p_d(token) for tokens [R, G] from draft_probs [R, G, W] over ``draft_vocab`` (None: all tokens)."""
+    if draft_vocab is None:
+        return _gather_last(draft_probs, tokens)
+    w = draft_vocab.shape[0]
+    idx = jnp.clip(jnp.searchsorted(draft_vocab, tokens), 0, w - 1)
+    found = draft_vocab[idx] == tokens
+    return jnp.where(found, _gather_last(draft_probs, idx), 0.0)
+
+
+def _full_vocab(probs, draft_vocab, vocab_size):
+    """[R, W] over draft_vocab -> [R, V] (zeros elsewhere)."""
+    if draft_vocab is None:
+        return probs
+    return jnp.zeros((probs.shape[0], vocab_size), probs.dtype).at[:, draft_vocab].set(probs)
+
+
 @jax.jit
-def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array, target_probs: jax.Array) -> jax.Array:
+def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array, target_probs: jax.Array,
+                     draft_vocab: jax.Array | None = None) -> jax.Array:
     """Probability ``min(1, p_t[k-1](x_k) / p_d[k](x_k))`` that each draft is accepted given its prefix.
 
     Args:
       draft_tokens: int [R, G].
-      draft_probs: float [R, G, V], the distributions the drafts were sampled from.
+      draft_probs: float [R, G, V] (or [R, G, W] over ``draft_vocab``), the distributions the drafts
+        were sampled from.
       target_probs: float [R, G + 1, V].
+      draft_vocab: optional int [W], the draft vocabulary (sorted token ids).
 
     Returns:
       float32 [R, G].
@@ -52,7 +76,7 @@ def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array, target_pro
     >>> acceptance_probs(jnp.array([[0]]), jnp.array([[[0.5, 0.5]]]), jnp.array([[[0.25, 0.75], [1., 0.]]])).tolist()
     [[0.5]]
     """
-    pd = _gather_last(draft_probs.astype(jnp.float32), draft_tokens)  # [R, G]
+    pd = _draft_prob_of(draft_probs.astype(jnp.float32), draft_tokens, draft_vocab)  # [R, G]
     pt = _gather_last(target_probs[:, :-1].astype(jnp.float32), draft_tokens)  # [R, G]
     safe = jnp.where(pd > 0, pd, 1.0)
     return jnp.where(pd > 0, jnp.minimum(1.0, pt / safe), (pt > 0).astype(jnp.float32))
@@ -60,7 +84,11 @@ def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array, target_pro
 
 @jax.jit
 def next_token_probs(
-    draft_probs: jax.Array, target_probs: jax.Array, num_accepted: jax.Array, lengths: jax.Array
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    num_accepted: jax.Array,
+    lengths: jax.Array,
+    draft_vocab: jax.Array | None = None,
 ) -> jax.Array:
     """Distribution of the token emitted after ``num_accepted`` accepted drafts.
 
@@ -69,10 +97,11 @@ def next_token_probs(
     ``l = lengths`` drafts were accepted.
 
     Args:
-      draft_probs: float [R, G, V].
+      draft_probs: float [R, G, V] (or [R, G, W] over ``draft_vocab``).
       target_probs: float [R, G + 1, V].
       num_accepted: int [R], each in 0..lengths.
       lengths: int [R], each in 0..G.
+      draft_vocab: optional int [W], the draft vocabulary (sorted token ids).
 
     Returns:
       float32 [R, V].
@@ -81,6 +110,7 @@ def next_token_probs(
     n = num_accepted.astype(jnp.int32)
     pt = jnp.take_along_axis(target_probs.astype(jnp.float32), n[:, None, None], axis=1)[:, 0]  # [R, V]
     pd = jnp.take_along_axis(draft_probs.astype(jnp.float32), jnp.minimum(n, g - 1)[:, None, None], axis=1)[:, 0]
+    pd = _full_vocab(pd, draft_vocab, pt.shape[-1])  # [R, V]
     residual = jnp.maximum(pt - pd, 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), pt)
@@ -106,6 +136,7 @@ def speculative_accept(
     draft_probs: jax.Array,
     target_probs: jax.Array,
     lengths: jax.Array,
+    draft_vocab: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Sampled speculative acceptance with a verification length per request (exactly lossless).
 
@@ -117,6 +148,7 @@ def speculative_accept(
       target_probs: float [R, G + 1, V]; row ``i`` is the target's next-token distribution after input
         position ``i`` of ``[x0, x1..x_l]``.
       lengths: int [R], drafts verified per row, each in 0..G.
+      draft_vocab: optional int [W]; then ``draft_probs`` is [R, G, W] over these token ids.
 
     Returns:
       ``(num_accepted, next_token)``: int32 [R] accepted drafts (0..lengths) and int32 [R] the token
@@ -131,9 +163,9 @@ def speculative_accept(
         return jax.random.uniform(k_accept, (g,)), k_sample
 
     u, sample_keys = jax.vmap(row_randomness)(keys)  # [R, G], [R]
-    accepted = u < acceptance_probs(draft_tokens, draft_probs, target_probs)
+    accepted = u < acceptance_probs(draft_tokens, draft_probs, target_probs, draft_vocab)
     n = leading_true(accepted, lengths)
-    probs = next_token_probs(draft_probs, target_probs, n, lengths)  # [R, V]
+    probs = next_token_probs(draft_probs, target_probs, n, lengths, draft_vocab)  # [R, V]
     logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
     nxt = jax.vmap(jax.random.categorical)(sample_keys, logp).astype(jnp.int32)
     return n, nxt

@@ -155,6 +155,32 @@ def test_per_row_keys_make_rows_independent_of_batch():
     assert int(n_all[2]) == int(n_one[0]) and int(t_all[2]) == int(t_one[0])
 
 
+def test_reduced_draft_vocabulary_equals_expanded():
+    rng = np.random.default_rng(8)
+    vocab = np.array([1, 3, 4, 7])
+    dp_small = rng.dirichlet(np.ones(4), size=(5, 3)).astype(np.float32)
+    dp_full = np.zeros((5, 3, 9), np.float32)
+    dp_full[..., vocab] = dp_small
+    tp = rng.dirichlet(np.ones(9), size=(5, 4)).astype(np.float32)
+    drafts = vocab[rng.integers(0, 4, size=(5, 3))]
+    drafts[0, 1] = 2  # a token outside the draft vocabulary: p_d = 0
+    lengths = np.array([3, 2, 1, 0, 3])
+    np.testing.assert_array_equal(
+        verify.acceptance_probs(drafts, dp_small, tp, vocab), verify.acceptance_probs(drafts, dp_full, tp)
+    )
+    for n in range(4):
+        nn = np.minimum(n, lengths)
+        np.testing.assert_allclose(
+            verify.next_token_probs(dp_small, tp, nn, lengths, vocab), verify.next_token_probs(dp_full, tp, nn, lengths),
+            rtol=1e-6,
+        )
+    key = jax.random.key(5)
+    a = verify.speculative_accept(key, drafts, dp_small, tp, lengths, vocab)
+    b = verify.speculative_accept(key, drafts, dp_full, tp, lengths)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+
+
 def test_verify_compiles_once():
     rng = np.random.default_rng(4)
     args = lambda: (  # noqa: E731

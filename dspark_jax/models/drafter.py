@@ -1,0 +1,413 @@
+"""The DSpark drafter in Flax NNX: a DFlash-style parallel backbone, a sequential head and a confidence head.
+
+Spec section 2. The backbone reads context features (tapped target layers, projected and normed) injected
+as extra keys and values into every draft layer, and a block ``[x0, MASK, ..., MASK]`` of G slots attending
+bidirectionally to itself; slot k predicts token ``x_{k+1}``. The frozen target embedding and LM head are
+passed in as arrays (never trained, never stored with the drafter). The sequential head adds a bias that
+depends on the previous token (Markov, low rank) or on a small recurrent state (RNN), and the confidence
+head reads ``[h_k ; W1[x_k]]`` to estimate the chance that ``x_{k+1}`` survives verification.
+
+A reduced draft vocabulary (W of the V target tokens) is optional: the drafter then only proposes those
+tokens, its distributions are over them (zero elsewhere), and verification stays exact.
+
+Axis legend (einsum letters): N sequences or request slots, S context positions, B blocks per sequence
+(1 at inference), G block slots, D width, H query heads, K key/value heads, Q = H / K, E head dim,
+M tapped target layers, V target vocabulary, W draft vocabulary, r rank of the sequential head,
+L draft layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from dspark_jax.models.llama import masked_softmax, rope
+
+HEADS = ("markov", "rnn", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """Static drafter hyperparameters (hashable)."""
+
+    vocab_size: int  # V, the target's vocabulary
+    dim: int  # D, the target's width (the embedding and LM head are shared)
+    n_taps: int = 5
+    n_layers: int = 2
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    head_dim: int = 64
+    ffn_dim: int = 1536
+    block: int = 7  # G
+    head: str = "markov"
+    rank: int = 64
+    confidence: bool = True
+    draft_vocab_size: int = 0  # W; 0 means the full target vocabulary
+    rope_base: float = 100000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.block < 1:
+            raise ValueError(f"block must be >= 1, got {self.block}")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must lie in [0, {self.vocab_size}], got {self.draft_vocab_size}")
+
+    @property
+    def draft_vocab(self) -> int:
+        """W, the number of tokens the drafter can propose."""
+        return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def uses_prev_token(self) -> bool:
+        return self.head != "none" or self.confidence
+
+    @classmethod
+    def for_target(cls, target_cfg, **overrides) -> "DrafterConfig":
+        """A drafter matching a LlamaConfig (width, heads, RoPE, taps), with overrides."""
+        base = dict(vocab_size=target_cfg.vocab_size, dim=target_cfg.dim, n_taps=len(target_cfg.tap_layers),
+                    n_heads=target_cfg.n_heads, n_kv_heads=target_cfg.n_kv_heads, head_dim=target_cfg.head_dim,
+                    ffn_dim=target_cfg.ffn_dim, rope_base=target_cfg.rope_base, norm_eps=target_cfg.norm_eps)
+        base.update(overrides)
+        return cls(**base)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown drafter config fields {sorted(unknown)}")
+        return cls(**d)
+
+
+class Buffer(nnx.Variable):
+    """A non-trainable array stored with the module (the draft vocabulary maps)."""
+
+
+def _init(scale=0.02):
+    return nnx.initializers.normal(scale)
+
+
+class DraftLayer(nnx.Module):
+    """Pre-norm decoder layer whose keys and values are [context ; block] (KV injection)."""
+
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs):
+        D, H, K, E, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+        self.cfg = cfg
+        lin = functools.partial(nnx.Linear, use_bias=False, kernel_init=_init(), rngs=rngs)
+        self.attn_norm = nnx.RMSNorm(D, epsilon=cfg.norm_eps, rngs=rngs)
+        self.wq, self.wk, self.wv, self.wo = lin(D, H * E), lin(D, K * E), lin(D, K * E), lin(H * E, D)
+        self.mlp_norm = nnx.RMSNorm(D, epsilon=cfg.norm_eps, rngs=rngs)
+        self.w_gate, self.w_up, self.w_down = lin(D, F), lin(D, F), lin(F, D)
+
+    def _rope(self, x, positions):
+        """x [..., K, E], positions [...] -> RoPE'd x."""
+        lead = x.shape[:-2]
+        flat = rope(x.reshape(-1, *x.shape[-2:]), positions.reshape(-1), self.cfg.rope_base)
+        return flat.reshape(*lead, *x.shape[-2:])
+
+    def context_kv(self, h_ctx: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys (after RoPE) and values of context features: [..., D] -> ([..., K, E], [..., K, E])."""
+        K, E = self.cfg.n_kv_heads, self.cfg.head_dim
+        k = self._rope(self.wk(h_ctx).reshape(*h_ctx.shape[:-1], K, E), positions)
+        v = self.wv(h_ctx).reshape(*h_ctx.shape[:-1], K, E)
+        return k, v
+
+    def __call__(self, x, positions, ctx_k, ctx_v, ctx_mask):
+        """One layer over the blocks.
+
+        Args:
+          x: [N, B, G, D] block hidden states.
+          positions: int [N, B, G] RoPE positions of the block slots.
+          ctx_k, ctx_v: [N, S, K, E] context keys (after RoPE) and values.
+          ctx_mask: bool [N, B, S] which context positions each block sees.
+        Returns:
+          [N, B, G, D].
+        """
+        cfg = self.cfg
+        N, B, G, _ = x.shape
+        H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        Q = H // K
+        h = self.attn_norm(x)
+        q = self._rope(self.wq(h).reshape(N, B, G, H, E), positions).reshape(N, B, G, K, Q, E) * (E**-0.5)
+        kb, vb = self.context_kv(h, positions)  # [N, B, G, K, E]
+        s_ctx = jnp.einsum("nbgkqe,nske->nbgkqs", q, ctx_k)  # [N, B, G, K, Q, S]
+        s_blk = jnp.einsum("nbgkqe,nbhke->nbgkqh", q, kb)  # [N, B, G, K, Q, G]
+        scores = jnp.concatenate([s_ctx, s_blk], axis=-1).astype(jnp.float32)
+        mask = jnp.concatenate(
+            [jnp.broadcast_to(ctx_mask[:, :, None, None, None, :], s_ctx.shape), jnp.ones(s_blk.shape, bool)],
+            axis=-1,
+        )
+        p = masked_softmax(scores, mask).astype(x.dtype)
+        S = ctx_k.shape[1]
+        out = jnp.einsum("nbgkqs,nske->nbgkqe", p[..., :S], ctx_v) + jnp.einsum(
+            "nbgkqh,nbhke->nbgkqe", p[..., S:], vb
+        )
+        x = x + self.wo(out.reshape(N, B, G, H * E))
+        h = self.mlp_norm(x)
+        return x + self.w_down(jax.nn.silu(self.w_gate(h)) * self.w_up(h))
+
+
+class Drafter(nnx.Module):
+    """Backbone + sequential head + confidence head. Use the module functions below to run it."""
+
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, vocab_ids: np.ndarray | None = None):
+        self.cfg = cfg
+        D, W, r = cfg.dim, cfg.draft_vocab, cfg.rank
+        if vocab_ids is None:
+            vocab_ids = np.arange(W, dtype=np.int32)
+        vocab_ids = np.asarray(vocab_ids, np.int32)
+        if vocab_ids.shape != (W,) or np.any(np.diff(vocab_ids) <= 0) or vocab_ids[0] < 0 or vocab_ids[-1] >= cfg.vocab_size:
+            raise ValueError(
+                f"vocab_ids must be {W} strictly increasing token ids in [0, {cfg.vocab_size}), got shape "
+                f"{vocab_ids.shape}"
+            )
+        to_draft = np.full(cfg.vocab_size, W, np.int32)  # W = "not in the draft vocabulary"
+        to_draft[vocab_ids] = np.arange(W, dtype=np.int32)
+        self.vocab_ids = Buffer(jnp.asarray(vocab_ids))  # [W] draft index -> token id
+        self.to_draft = Buffer(jnp.asarray(to_draft))  # [V] token id -> draft index (W if absent)
+        self.ctx_proj = nnx.Linear(cfg.n_taps * D, D, use_bias=False, kernel_init=_init(), rngs=rngs)
+        self.ctx_norm = nnx.RMSNorm(D, epsilon=cfg.norm_eps, rngs=rngs)
+        self.mask_embed = nnx.Param(_init()(rngs.params(), (D,)))
+        self.layers = nnx.List([DraftLayer(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = nnx.RMSNorm(D, epsilon=cfg.norm_eps, rngs=rngs)
+        if cfg.uses_prev_token:
+            self.w1 = nnx.Embed(W + 1, r, embedding_init=_init(1.0 / np.sqrt(r)), rngs=rngs)
+        if cfg.head != "none":
+            # W2 starts at zero: the head starts as a plain DFlash drafter and learns the correction.
+            self.w2 = nnx.Linear(r, W, use_bias=False, kernel_init=nnx.initializers.zeros, rngs=rngs)
+        if cfg.head == "rnn":
+            self.cell = nnx.Linear(2 * r + D, 3 * r, use_bias=True, kernel_init=_init(), rngs=rngs)
+        if cfg.confidence:
+            self.conf = nnx.Linear(D + r, 1, use_bias=True, kernel_init=_init(), rngs=rngs)
+
+    # ------------------------------------------------------------------ backbone
+    def context_features(self, taps: jax.Array) -> jax.Array:
+        """H_ctx = RMSNorm(W_c [h_l1; ...; h_lM]): [..., M, D] -> [..., D]."""
+        flat = taps.reshape(*taps.shape[:-2], -1).astype(self.ctx_proj.kernel[...].dtype)
+        return self.ctx_norm(self.ctx_proj(flat))
+
+    def context_kv(self, taps: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per-layer context keys and values: taps [..., M, D], positions [...] -> 2 x [L, ..., K, E]."""
+        h_ctx = self.context_features(taps)
+        kv = [layer.context_kv(h_ctx, positions) for layer in self.layers]
+        return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
+
+    def hidden(self, ctx_k, ctx_v, ctx_mask, anchors, anchor_pos, embed):
+        """Block hidden states.
+
+        Args:
+          ctx_k, ctx_v: [L, N, S, K, E] per-layer context keys and values.
+          ctx_mask: bool [N, B, S] context visible to each block (strictly before its anchor).
+          anchors: int [N, B] anchor token ids; anchor_pos: int [N, B] their positions.
+          embed: [V, D] the frozen target embedding.
+        Returns:
+          [N, B, G, D] final-normed hidden states h_k (slot k predicts x_{k+1}).
+        """
+        G = self.cfg.block
+        first = embed[anchors].astype(self.mask_embed[...].dtype)[:, :, None, :]  # [N, B, 1, D]
+        rest = jnp.broadcast_to(self.mask_embed[...], (*anchors.shape, G - 1, self.cfg.dim))
+        x = jnp.concatenate([first, rest], axis=2)  # [N, B, G, D]
+        positions = anchor_pos[..., None] + jnp.arange(G, dtype=jnp.int32)  # [N, B, G]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, ctx_k[i], ctx_v[i], ctx_mask)
+        return self.final_norm(x)
+
+    # ------------------------------------------------------------------ sequential and confidence heads
+    def prev_embedding(self, prev_tokens: jax.Array) -> jax.Array:
+        """W1[x] for token ids [...] -> [..., r] (tokens outside the draft vocabulary share one row)."""
+        return self.w1(self.to_draft[...][prev_tokens])
+
+    def head_step(self, h_k, e_prev, state):
+        """Sequential-head bias and confidence logit at one slot.
+
+        Args:
+          h_k: [..., D] backbone hidden state of the slot; e_prev: [..., r] W1 of the previous token.
+          state: [..., r] RNN state (ignored by the other heads).
+        Returns:
+          (bias [..., W] or None, confidence logit [...] or None, new state).
+        """
+        cfg = self.cfg
+        bias = conf = None
+        if cfg.head == "markov":
+            bias = self.w2(e_prev)
+        elif cfg.head == "rnn":
+            r = cfg.rank
+            z = self.cell(jnp.concatenate([state, e_prev, h_k], axis=-1))
+            g, u, o = z[..., :r], z[..., r : 2 * r], z[..., 2 * r :]
+            gate = jax.nn.sigmoid(g)
+            state = gate * state + (1 - gate) * jnp.tanh(u)
+            bias = self.w2(jnp.tanh(o))
+        if cfg.confidence:
+            conf = self.conf(jnp.concatenate([h_k, e_prev], axis=-1))[..., 0]
+        return bias, conf, state
+
+    def teacher_forced(self, h: jax.Array, prev_tokens: jax.Array, head_w: jax.Array):
+        """Corrected logits and confidence logits with the ground-truth previous tokens (training).
+
+        Args:
+          h: [..., G, D] hidden states; prev_tokens: int [..., G] token before each slot's target
+            (x0 = the anchor for slot 0); head_w: [D, W] frozen LM head restricted to the draft vocabulary.
+        Returns:
+          logits float32 [..., G, W]; confidence logits float32 [..., G] (zeros without a confidence head).
+        """
+        logits = jnp.einsum("...gd,dw->...gw", h, head_w).astype(jnp.float32)
+        if not self.cfg.uses_prev_token:
+            return logits, jnp.zeros(logits.shape[:-1], jnp.float32)
+        e = self.prev_embedding(prev_tokens)  # [..., G, r]
+        if self.cfg.head == "rnn":
+            def step(state, xs):
+                h_k, e_k = xs
+                bias, conf, state = self.head_step(h_k, e_k, state)
+                return state, (bias, conf if conf is not None else jnp.zeros(h_k.shape[:-1]))
+
+            state0 = jnp.zeros((*h.shape[:-2], self.cfg.rank), h.dtype)
+            _, (bias, conf) = lax.scan(step, state0, (jnp.moveaxis(h, -2, 0), jnp.moveaxis(e, -2, 0)))
+            bias, conf = jnp.moveaxis(bias, 0, -2), jnp.moveaxis(conf, 0, -1)
+        else:
+            bias, conf, _ = self.head_step(h, e, None)
+            conf = jnp.zeros(h.shape[:-1]) if conf is None else conf
+        if bias is not None:
+            logits = logits + bias.astype(jnp.float32)
+        return logits, conf.astype(jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sampling a block: one lax.scan over the G slots for the whole batch.
+
+
+def sample_block(drafter: Drafter, h: jax.Array, anchors: jax.Array, keys: jax.Array, temperature: jax.Array,
+                 head_w: jax.Array):
+    """Draw x1..xG left to right from the corrected distributions.
+
+    Args:
+      drafter: the module.
+      h: [R, G, D] backbone hidden states.
+      anchors: int [R] the anchor (last committed) tokens x0.
+      keys: [R] PRNG keys, one per request (a row's draws do not depend on the rest of the batch).
+      temperature: float [] (traced); 0 means greedy (one-hot distributions).
+      head_w: [D, W] frozen LM head over the draft vocabulary.
+    Returns:
+      tokens int32 [R, G] (target token ids), probs float32 [R, G, W] (the exact distributions the tokens
+      were drawn from, over the draft vocabulary), confidence logits float32 [R, G].
+    """
+    cfg = drafter.cfg
+    R, G, _ = h.shape
+    base = jnp.einsum("rgd,dw->rgw", h, head_w).astype(jnp.float32)  # [R, G, W]
+    step_keys = jax.vmap(lambda k: jax.random.split(k, G))(keys)  # [R, G]
+    t = jnp.asarray(temperature, jnp.float32)
+    greedy = t <= 0
+
+    def step(carry, xs):
+        prev, state = carry
+        h_k, base_k, key_k = xs  # [R, D], [R, W], [R]
+        if cfg.uses_prev_token:
+            bias, conf, state = drafter.head_step(h_k, drafter.prev_embedding(prev), state)
+        else:
+            bias, conf = None, None
+        logits = base_k if bias is None else base_k + bias.astype(jnp.float32)
+        probs = jax.nn.softmax(logits / jnp.where(greedy, 1.0, t), axis=-1)
+        top = jnp.argmax(logits, axis=-1)
+        probs = jnp.where(greedy, jax.nn.one_hot(top, logits.shape[-1], dtype=jnp.float32), probs)
+        logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
+        drawn = jax.vmap(jax.random.categorical)(key_k, logp)
+        idx = jnp.where(greedy, top, drawn).astype(jnp.int32)
+        token = drafter.vocab_ids[...][idx]
+        conf = jnp.zeros((R,), jnp.float32) if conf is None else conf.astype(jnp.float32)
+        return (token, state), (token, probs, conf)
+
+    state0 = jnp.zeros((R, cfg.rank), h.dtype)
+    xs = (jnp.moveaxis(h, 1, 0), jnp.moveaxis(base, 1, 0), jnp.moveaxis(step_keys, 1, 0))
+    _, (tokens, probs, conf) = lax.scan(step, (anchors.astype(jnp.int32), state0), xs)
+    return jnp.moveaxis(tokens, 0, 1), jnp.moveaxis(probs, 0, 1), jnp.moveaxis(conf, 0, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The drafter's context cache at inference: projected K/V of committed tokens per draft layer.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DrafterCache:
+    """Context keys (after RoPE) and values per draft layer and slot.
+
+    How many entries of a slot are valid is not stored here: it is the target's committed length for that
+    slot (the anchor's position). Entries written for rejected tokens lie beyond it and get overwritten, so
+    rolling back after verification costs nothing.
+    """
+
+    k: jax.Array  # [L, S, C, K, E]
+    v: jax.Array  # [L, S, C, K, E]
+
+    def replace(self, **kw) -> "DrafterCache":
+        return dataclasses.replace(self, **kw)
+
+
+def init_drafter_cache(cfg: DrafterConfig, num_slots: int, capacity: int, dtype=jnp.float32) -> DrafterCache:
+    shape = (cfg.n_layers, num_slots, capacity, cfg.n_kv_heads, cfg.head_dim)
+    return DrafterCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def write_context(drafter: Drafter, cache: DrafterCache, taps, slots, positions, valid) -> DrafterCache:
+    """Append the context K/V of verified (or prefilled) tokens.
+
+    Args:
+      taps: [T, M, D] target tapped hidden states of the tokens; slots, positions: int [T]; valid: bool [T].
+    Returns:
+      the cache with K/V written at (slot, position) for valid tokens.
+    """
+    k, v = drafter.context_kv(taps, positions)  # [L, T, K, E]
+    S = cache.k.shape[1]
+    write = jnp.where(valid, slots, S)  # out of range: dropped
+    return cache.replace(
+        k=cache.k.at[:, write, positions].set(k.astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[:, write, positions].set(v.astype(cache.v.dtype), mode="drop"),
+    )
+
+
+def draft(drafter: Drafter, cache: DrafterCache, slots, ctx_len, anchors, keys, temperature, embed, head_w):
+    """Draft one block for each of R requests (one backbone pass, then the sequential scan).
+
+    Args:
+      cache: the drafter cache; slots: int [R] the requests' slots (any value for padding rows).
+      ctx_len: int [R] committed tokens of each slot (= the anchor's position).
+      anchors: int [R] anchor tokens; keys: [R] PRNG keys; temperature: float [].
+      embed: [V, D] frozen target embedding; head_w: [D, W] frozen LM head over the draft vocabulary.
+    Returns:
+      tokens int32 [R, G], probs float32 [R, G, W], confidence logits float32 [R, G].
+    """
+    C = cache.k.shape[2]
+    ctx_k, ctx_v = cache.k[:, slots], cache.v[:, slots]  # [L, R, C, K, E]
+    ctx_mask = (jnp.arange(C)[None, :] < ctx_len[:, None])[:, None, :]  # [R, 1, C]
+    h = drafter.hidden(ctx_k, ctx_v, ctx_mask, anchors[:, None], ctx_len[:, None], embed)[:, 0]  # [R, G, D]
+    return sample_block(drafter, h, anchors, keys, temperature, head_w)
+
+
+def draft_head_weights(drafter: Drafter, embed: jax.Array, lm_head: jax.Array | None = None) -> jax.Array:
+    """The frozen LM head restricted to the draft vocabulary: [D, W]."""
+    ids = drafter.vocab_ids[...]
+    if lm_head is None:  # tied embeddings
+        return embed[ids].T
+    return lm_head[:, ids]
+
+
+def expand_draft_probs(probs: jax.Array, vocab_ids: jax.Array, vocab_size: int) -> jax.Array:
+    """Distributions over the draft vocabulary [..., W] -> over the target vocabulary [..., V] (zeros
+    outside the draft vocabulary)."""
+    if probs.shape[-1] == vocab_size:
+        return probs
+    out = jnp.zeros((*probs.shape[:-1], vocab_size), probs.dtype)
+    return out.at[..., vocab_ids].set(probs)
