@@ -1,0 +1,343 @@
+"""Drafter training data: target-generated responses, then a compact cache of the target's hidden states.
+
+Stage 1 (`generate_responses`): the target answers the training prompts itself (its chat template, sampled
+with a temperature), in resumable chunks: each finished chunk is one JSONL file written atomically, and a
+restarted run skips the chunks already on disk.
+
+Stage 2 (`build_target_cache`): one teacher-forced pass over every sequence (prompt + response) stores, per
+token, the raw outputs of the tapped layers in bfloat16 (the residual stream can hold large values), the final
+normed hidden state in float16 (small values, more mantissa), and the float32 log-partition of the target
+logits computed from that stored float16 state, so the recomputed target distribution sums to one. Full-vocabulary logits are never stored: the target's probabilities on
+any token set are ``exp(h @ E[ids].T - lse)`` from the frozen LM head. Shards are written atomically and
+skipped on restart.
+
+Stage 3 (`BlockLoader`): batches of blocks for training, bucketed by sequence length, with anchors sampled
+uniformly without replacement among positions where the anchor and the next token are both assistant tokens
+(spec section 5). Batches depend only on (seed, step), so a resumed run sees the same data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from dspark_jax.sps import atomic_write_text
+
+BF16 = ml_dtypes.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    index: int  # position in the combined prompt list (stable across runs)
+    domain: str  # file stem, e.g. "gsm8k"
+    turns: tuple[str, ...]
+
+
+def load_prompts(paths: Sequence[str | os.PathLike], limit: int | None = None) -> list[Prompt]:
+    """Prompts from JSONL files (``{"turns": [...]}`` per line) or folders of them, in a stable order.
+
+    Args:
+      paths: files or folders; folders contribute their ``*.jsonl`` files sorted by name.
+      limit: keep at most this many prompts per file.
+    """
+    files: list[Path] = []
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            files += sorted(Path(f) for f in glob.glob(str(p / "*.jsonl")))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise ValueError(f"prompts: {p} is neither a JSONL file nor a folder")
+    if not files:
+        raise ValueError(f"prompts: no JSONL files found in {list(map(str, paths))}")
+    out: list[Prompt] = []
+    for f in files:
+        with open(f) as fh:
+            for n, line in enumerate(fh):
+                if limit is not None and n >= limit:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{f}:{n + 1}: not valid JSON ({e})") from None
+                turns = obj.get("turns") if isinstance(obj, dict) else None
+                if not turns or not all(isinstance(t, str) for t in turns):
+                    raise ValueError(f"{f}:{n + 1}: expected {{\"turns\": [\"...\", ...]}}, got {line[:80]!r}")
+                out.append(Prompt(len(out), f.stem, tuple(turns)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ stage 1
+def generate_responses(model, prompts: Sequence[Prompt], out_dir: str | os.PathLike, *, max_new_tokens: int,
+                       temperature: float, seed: int, num_slots: int, chunk_size: int,
+                       max_prompt_tokens: int, progress: bool = True) -> list[Path]:
+    """Let the target answer ``prompts`` (first turn, chat template), chunk by chunk, resumably.
+
+    Prompts longer than ``max_prompt_tokens`` after the template are skipped (recorded in the chunk file
+    with ``"skipped": true`` so a resumed run does not reconsider them). Returns the chunk files.
+    """
+    from dspark_jax.decoding import plain_generate
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = model.tokenizer
+    chunks = [prompts[i : i + chunk_size] for i in range(0, len(prompts), chunk_size)]
+    files = []
+    bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not progress)
+    for c, chunk in enumerate(chunks):
+        path = out_dir / f"chunk_{c:05d}.jsonl"
+        files.append(path)
+        if path.exists():
+            bar.update(len(chunk))
+            continue
+        encoded = [tok.encode_chat([p.turns[0]]) for p in chunk]
+        keep = [i for i, ids in enumerate(encoded) if len(ids) <= max_prompt_tokens]
+        records = {i: {"index": chunk[i].index, "domain": chunk[i].domain, "skipped": True} for i in range(len(chunk))}
+        if keep:
+            results, stats = plain_generate(model, [encoded[i] for i in keep], max_new_tokens, temperature,
+                                            seed=seed + c, num_slots=num_slots, warmup=c == 0)
+            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.0f}")
+            for i, res in zip(keep, results):
+                records[i] = {"index": chunk[i].index, "domain": chunk[i].domain, "skipped": False,
+                              "prompt_ids": res.prompt_ids, "output_ids": res.output_ids,
+                              "finished": res.finished_by_stop}
+        atomic_write_text(path, "".join(json.dumps(records[i]) + "\n" for i in range(len(chunk))))
+        bar.update(len(chunk))
+    bar.close()
+    return files
+
+
+def load_sequences(data_dir: str | os.PathLike) -> list[dict]:
+    """The generated (non-skipped) records of all chunk files, ordered by prompt index."""
+    files = sorted(glob.glob(str(Path(data_dir) / "chunk_*.jsonl")))
+    if not files:
+        raise ValueError(f"no generated chunks (chunk_*.jsonl) in {data_dir}; run train.generate_data first")
+    recs = [json.loads(line) for f in files for line in open(f) if line.strip()]
+    return sorted((r for r in recs if not r["skipped"] and r["output_ids"]), key=lambda r: r["index"])
+
+
+# ------------------------------------------------------------------------------------------ stage 2
+@dataclasses.dataclass
+class TargetCache:
+    """Memory-mapped hidden states of many sequences laid end to end.
+
+    tokens int32 [T], taps bf16 [T, M, D], final float16 [T, D], lse float32 [T]; sequence i occupies
+    ``offsets[i] : offsets[i] + lengths[i]`` and its assistant tokens start at ``prompt_lengths[i]``.
+    """
+
+    tokens: np.ndarray
+    taps: np.ndarray
+    final: np.ndarray
+    lse: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    prompt_lengths: np.ndarray
+    domains: list[str]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.lengths)
+
+
+def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, arr)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def build_target_cache(model, sequences: Sequence[dict], out_dir: str | os.PathLike, *, shard_tokens: int = 200_000,
+                       progress: bool = True) -> Path:
+    """Teacher-forced pass over every sequence; writes shards ``shard_XXXXX.{tokens,taps,final,lse}.npy``
+    plus ``index.json``. Resumable: shards already written are kept."""
+    from tqdm import tqdm
+
+    from dspark_jax.models.llama import logits_from_hidden
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Group sequences into shards of about shard_tokens tokens, deterministically.
+    shards, cur, size = [], [], 0
+    for s in sequences:
+        n = len(s["prompt_ids"]) + len(s["output_ids"])
+        if cur and size + n > shard_tokens:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(s)
+        size += n
+    if cur:
+        shards.append(cur)
+
+    lse_fn = jax.jit(lambda w, h: jax.nn.logsumexp(logits_from_hidden(w, h), axis=-1))
+    bar = tqdm(total=sum(len(s) for s in shards), desc="target cache", unit="seq", disable=not progress)
+    entries = []
+    for k, shard in enumerate(shards):
+        stem = out_dir / f"shard_{k:05d}"
+        meta = [{"index": s["index"], "domain": s["domain"], "prompt_length": len(s["prompt_ids"]),
+                 "length": len(s["prompt_ids"]) + len(s["output_ids"])} for s in shard]
+        entries.append({"shard": stem.name, "sequences": meta})
+        if Path(f"{stem}.lse.npy").exists():  # written last: the shard is complete
+            bar.update(len(shard))
+            continue
+        toks, taps, finals, lses = [], [], [], []
+        for s in shard:
+            ids = list(s["prompt_ids"]) + list(s["output_ids"])
+            cache = model.init_cache(1, -(-len(ids) // 256) * 256)
+            _, extras, _ = model.prefill(cache, ids, 0, return_extras=True)
+            toks.append(np.asarray(ids, np.int32))
+            taps.append(np.asarray(extras.taps.astype(jnp.bfloat16)))
+            final = extras.final_hidden.astype(jnp.float16)
+            finals.append(np.asarray(final))
+            lses.append(np.asarray(lse_fn(model.weights, final.astype(jnp.float32)), np.float32))
+            bar.update(1)
+        _save_npy_atomic(Path(f"{stem}.tokens.npy"), np.concatenate(toks))
+        _save_npy_atomic(Path(f"{stem}.taps.npy"), np.concatenate(taps).view(np.uint16))
+        _save_npy_atomic(Path(f"{stem}.final.npy"), np.concatenate(finals))
+        _save_npy_atomic(Path(f"{stem}.lse.npy"), np.concatenate(lses))
+    bar.close()
+    index = {"shards": entries, "tap_layers": list(model.cfg.tap_layers), "dim": model.cfg.dim}
+    atomic_write_text(out_dir / "index.json", json.dumps(index) + "\n")
+    return out_dir
+
+
+def open_target_cache(cache_dir: str | os.PathLike) -> TargetCache:
+    """Memory-map a cache written by `build_target_cache`."""
+    cache_dir = Path(cache_dir)
+    index_path = cache_dir / "index.json"
+    if not index_path.is_file():
+        raise ValueError(f"{cache_dir}: no index.json; run train.build_cache first")
+    index = json.loads(index_path.read_text())
+    parts = {"tokens": [], "taps": [], "final": [], "lse": []}
+    offsets, lengths, prompt_lengths, domains = [], [], [], []
+    base = 0
+    for entry in index["shards"]:
+        stem = cache_dir / entry["shard"]
+        for name in parts:
+            arr = np.load(f"{stem}.{name}.npy", mmap_mode="r")
+            parts[name].append(arr)
+        for m in entry["sequences"]:
+            offsets.append(base)
+            lengths.append(m["length"])
+            prompt_lengths.append(m["prompt_length"])
+            domains.append(m["domain"])
+            base += m["length"]
+    cat = lambda xs: xs[0] if len(xs) == 1 else np.concatenate(xs)  # noqa: E731
+    return TargetCache(
+        tokens=cat(parts["tokens"]),
+        taps=cat(parts["taps"]).view(BF16),
+        final=cat(parts["final"]),
+        lse=cat(parts["lse"]),
+        offsets=np.asarray(offsets, np.int64),
+        lengths=np.asarray(lengths, np.int64),
+        prompt_lengths=np.asarray(prompt_lengths, np.int64),
+        domains=domains,
+    )
+
+
+# ------------------------------------------------------------------------------------------ stage 3
+@dataclasses.dataclass(frozen=True)
+class BlockBatch:
+    """One training batch (numpy, host side).
+
+    taps [N, S, M, D] bf16 context features; tokens [N, S] int32 (0 beyond the sequence);
+    anchors [N, B] int32 anchor positions; valid [N, B, G] bool (label exists and is an assistant token);
+    final [N, B, G, D] float16 and lse [N, B, G] float32: the target state at positions anchor + k.
+    """
+
+    taps: np.ndarray
+    tokens: np.ndarray
+    anchors: np.ndarray
+    valid: np.ndarray
+    final: np.ndarray
+    lse: np.ndarray
+
+
+class BlockLoader:
+    """Batches of training blocks from a `TargetCache`.
+
+    Sequences are bucketed by length into ``buckets`` (context lengths S); a batch holds
+    ``context_tokens // S`` sequences of one bucket and ``blocks // N`` blocks per sequence, so every
+    step has about the same cost and each bucket compiles once. Sequences longer than the largest bucket
+    are skipped.
+    """
+
+    def __init__(self, cache: TargetCache, *, block: int, buckets: Sequence[int] = (256, 512, 1024),
+                 context_tokens: int = 2048, blocks: int = 256, seed: int = 0,
+                 sequence_ids: Sequence[int] | None = None):
+        self.cache, self.block, self.seed = cache, block, seed
+        self.buckets = tuple(sorted(buckets))
+        ids = np.arange(cache.num_sequences) if sequence_ids is None else np.asarray(sequence_ids)
+        # A sequence needs at least one anchor: two assistant tokens.
+        ids = ids[(cache.lengths[ids] - cache.prompt_lengths[ids] >= 2) & (cache.lengths[ids] <= self.buckets[-1])]
+        if len(ids) == 0:
+            raise ValueError("no usable sequences (need two assistant tokens and a length within the buckets)")
+        which = np.searchsorted(self.buckets, cache.lengths[ids], side="left")
+        self.groups = {self.buckets[b]: ids[which == b] for b in range(len(self.buckets)) if np.any(which == b)}
+        self.shapes = {s: (max(1, context_tokens // s), max(1, blocks // max(1, context_tokens // s)))
+                       for s in self.groups}
+        # Pick a bucket in proportion to the tokens it holds.
+        sizes = np.array([cache.lengths[g].sum() for g in self.groups.values()], np.float64)
+        self.bucket_probs = sizes / sizes.sum()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.cache.lengths[g].sum() for g in self.groups.values()))
+
+    def batch(self, step: int) -> BlockBatch:
+        """The batch of ``step`` (a pure function of seed and step)."""
+        rng = np.random.default_rng([self.seed, step])
+        S = list(self.groups)[rng.choice(len(self.groups), p=self.bucket_probs)]
+        N, B = self.shapes[S]
+        G = self.block
+        seqs = rng.choice(self.groups[S], size=N, replace=len(self.groups[S]) < N)
+        c = self.cache
+        M, D = c.taps.shape[1], c.taps.shape[2]
+        taps = np.zeros((N, S, M, D), BF16)
+        tokens = np.zeros((N, S), np.int32)
+        anchors = np.zeros((N, B), np.int32)
+        valid = np.zeros((N, B, G), bool)
+        final = np.zeros((N, B, G, D), np.float16)
+        lse = np.zeros((N, B, G), np.float32)
+        for i, s in enumerate(seqs):
+            off, n, p = int(c.offsets[s]), int(c.lengths[s]), int(c.prompt_lengths[s])
+            taps[i, :n] = c.taps[off : off + n]
+            tokens[i, :n] = c.tokens[off : off + n]
+            cand = np.arange(p, n - 1)  # anchor and next token are assistant tokens
+            take = rng.choice(cand, size=min(B, len(cand)), replace=False)
+            anchors[i, : len(take)] = take
+            pos = take[:, None] + np.arange(G)[None, :]  # [b, G] positions a + k (label at a + k + 1)
+            ok = pos + 1 < n
+            valid[i, : len(take)] = ok
+            safe = np.minimum(pos, n - 1) + off
+            final[i, : len(take)] = c.final[safe]
+            lse[i, : len(take)] = c.lse[safe]
+        return BlockBatch(taps, tokens, anchors, valid, final, lse)
+
+    def __iter__(self) -> Iterator[BlockBatch]:
+        step = 0
+        while True:
+            yield self.batch(step)
+            step += 1
+
+
+def token_frequencies(cache: TargetCache, vocab_size: int) -> np.ndarray:
+    """How often each token occurs among assistant tokens (for choosing a reduced draft vocabulary)."""
+    counts = np.zeros(vocab_size, np.int64)
+    for off, n, p in zip(cache.offsets, cache.lengths, cache.prompt_lengths):
+        np.add.at(counts, cache.tokens[off + p : off + n], 1)
+    return counts

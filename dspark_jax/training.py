@@ -1,0 +1,283 @@
+"""Drafter training: the DSpark loss, the Optax optimiser, resumable Orbax checkpoints, metrics.
+
+Loss (spec section 5), each term a weighted mean over block slots with weights ``w_k = exp(-k / 4)``
+(0-indexed slots) times the valid mask:
+
+* CE of the ground-truth token under the Markov-corrected draft distribution (temperature 1);
+* L1 = ``||p_d - p_t||_1`` over the full target vocabulary (a reduced draft vocabulary puts zero draft mass
+  on the other tokens, so their target mass counts in full);
+* confidence BCE against ``c* = 1 - L1 / 2``, the exact acceptance probability of the slot given its
+  prefix (detached).
+
+``L = 0.1 CE + 0.9 L1 + 1.0 BCE`` for DSpark; a DFlash baseline uses ``L = CE``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dspark_jax.models.drafter import Drafter, DrafterConfig, draft_head_weights
+
+__all__ = ["LossConfig", "block_loss", "TrainConfig", "make_optimizer", "train", "save_drafter",
+           "load_drafter"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    ce: float = 0.1
+    l1: float = 0.9
+    conf: float = 1.0
+    decay: float = 4.0  # w_k = exp(-k / decay)
+
+    @classmethod
+    def dflash(cls) -> "LossConfig":
+        return cls(ce=1.0, l1=0.0, conf=0.0)
+
+
+def block_loss(drafter: Drafter, batch: dict[str, jax.Array], embed: jax.Array, head_w: jax.Array,
+               loss_cfg: LossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The training loss of one batch of blocks.
+
+    Args:
+      drafter: the module.
+      batch: ``taps`` [N, S, M, D], ``tokens`` [N, S], ``anchors`` [N, B], ``valid`` [N, B, G],
+        ``final`` [N, B, G, D] (target final hidden at anchor + k), ``lse`` [N, B, G] (its log-partition).
+      embed: [V, D] frozen target embedding; head_w: [D, W] frozen LM head over the draft vocabulary.
+      loss_cfg: term weights.
+    Returns:
+      (loss, metrics): scalar loss; metrics hold the three terms and per-slot mean c* [G] (the expected
+      acceptance rate of each slot given its prefix).
+    """
+    cfg = drafter.cfg
+    G = cfg.block
+    tokens, anchors = batch["tokens"], batch["anchors"]
+    N, S = tokens.shape
+    valid = batch["valid"].astype(jnp.float32)  # [N, B, G]
+    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (N, S))
+    ctx_k, ctx_v = drafter.context_kv(batch["taps"].astype(jnp.float32), positions)  # [L, N, S, K, E]
+    ctx_mask = jnp.arange(S)[None, None, :] < anchors[..., None]  # [N, B, S] strictly before the anchor
+    anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1)  # [N, B]
+    h = drafter.hidden(ctx_k, ctx_v, ctx_mask, anchor_tokens, anchors, embed)  # [N, B, G, D]
+    pos = jnp.clip(anchors[..., None] + jnp.arange(G), 0, S - 1)  # [N, B, G] positions a + k
+    prev = jnp.take_along_axis(tokens[:, None, :], pos, axis=2)  # x_{a+k}: the token before slot k's label
+    labels = jnp.take_along_axis(tokens[:, None, :], jnp.clip(pos + 1, 0, S - 1), axis=2)
+    logits, conf_logits = drafter.teacher_forced(h, prev, head_w)  # [N, B, G, W], [N, B, G]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    p_d = jnp.exp(logp)
+    # Target probabilities on the draft vocabulary from the frozen head; the rest of its mass is outside.
+    t_logits = jnp.einsum("nbgd,dw->nbgw", batch["final"].astype(jnp.float32), head_w.astype(jnp.float32))
+    p_t = jnp.exp(t_logits - batch["lse"][..., None])
+    outside = jnp.clip(1.0 - jnp.sum(p_t, axis=-1), 0.0, 1.0)
+    l1 = jnp.sum(jnp.abs(p_d - p_t), axis=-1) + outside  # [N, B, G]
+    c_star = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
+    label_idx = drafter.to_draft[...][labels]
+    in_vocab = label_idx < cfg.draft_vocab
+    ce = -jnp.take_along_axis(logp, jnp.minimum(label_idx, cfg.draft_vocab - 1)[..., None], axis=-1)[..., 0]
+    bce = optax.sigmoid_binary_cross_entropy(conf_logits, c_star)
+
+    w = jnp.exp(-jnp.arange(G, dtype=jnp.float32) / loss_cfg.decay) * valid  # [N, B, G]
+    w_ce = w * in_vocab
+
+    def mean(x, ww):
+        return jnp.sum(x * ww) / jnp.maximum(jnp.sum(ww), 1e-6)
+
+    terms = {"ce": mean(ce, w_ce), "l1": mean(l1, w), "conf": mean(bce, w)}
+    loss = loss_cfg.ce * terms["ce"] + loss_cfg.l1 * terms["l1"]
+    if cfg.confidence:
+        loss = loss + loss_cfg.conf * terms["conf"]
+    denom = jnp.maximum(jnp.sum(valid, axis=(0, 1)), 1.0)
+    metrics = dict(terms, c_star=jnp.sum(c_star * valid, axis=(0, 1)) / denom,
+                   top1=jnp.sum((jnp.argmax(logits, -1) == label_idx) * valid, axis=(0, 1)) / denom)
+    return loss, metrics
+
+
+def probabilistic_tau(c_star: np.ndarray) -> float:
+    """Expected accepted length 1 + sum_k prod_{i<=k} c*_i from per-slot acceptance rates."""
+    return float(1.0 + np.sum(np.cumprod(np.asarray(c_star, np.float64))))
+
+
+# ------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2000
+    lr: float = 6e-4
+    b1: float = 0.9
+    b2: float = 0.999
+    weight_decay: float = 0.0
+    warmup_frac: float = 0.04
+    clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    ckpt_every: int = 100
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """AdamW, linear warmup over warmup_frac of the steps then cosine to 0, global-norm clipping."""
+    warmup = max(1, int(round(tc.warmup_frac * tc.steps)))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, warmup, max(tc.steps, warmup + 1), end_value=0.0)
+    return optax.chain(optax.clip_by_global_norm(tc.clip),
+                       optax.adamw(schedule, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay))
+
+
+def _batch_to_device(b) -> dict[str, jax.Array]:
+    return {"taps": jnp.asarray(b.taps), "tokens": jnp.asarray(b.tokens), "anchors": jnp.asarray(b.anchors),
+            "valid": jnp.asarray(b.valid), "final": jnp.asarray(b.final), "lse": jnp.asarray(b.lse)}
+
+
+def make_train_step(graphdef, loss_cfg: LossConfig, tx: optax.GradientTransformation):
+    """A jitted pure step (params, buffers, opt_state, batch, embed, lm_head) -> (params, opt_state, metrics)."""
+
+    def loss_fn(params, buffers, batch, embed, lm_head):
+        model = nnx.merge(graphdef, params, buffers)
+        head_w = draft_head_weights(model, embed, lm_head)
+        return block_loss(model, batch, embed, head_w, loss_cfg)
+
+    @jax.jit
+    def step(params, buffers, opt_state, batch, embed, lm_head):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, buffers, batch, embed, lm_head)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+        return params, opt_state, metrics
+
+    return step
+
+
+def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None, *, tc: TrainConfig,
+          loss_cfg: LossConfig, run_dir: str | os.PathLike, progress: bool = True) -> Drafter:
+    """Train ``drafter`` on ``loader.batch(step)`` for ``tc.steps`` steps; resumable from ``run_dir``.
+
+    Checkpoints (params, optimiser state, step) go to ``run_dir/ckpt`` with Orbax every ``ckpt_every``
+    steps (written to a temporary folder and renamed, so an interrupted save never corrupts the latest
+    one); a restarted call resumes from the latest checkpoint and, because batches are a function of the
+    step, sees the same data it would have seen. Metrics go to ``run_dir/metrics.jsonl``.
+    """
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    run_dir = Path(run_dir).absolute()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tx = make_optimizer(tc)
+    graphdef, params, buffers = nnx.split(drafter, nnx.Param, ...)
+    opt_state = tx.init(params)
+    mgr = ocp.CheckpointManager(run_dir / "ckpt", options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    start = 0
+    latest = mgr.latest_step()
+    if latest is not None:
+        target = {"params": params, "opt_state": opt_state}
+        restored = mgr.restore(latest, args=ocp.args.StandardRestore(target))
+        params, opt_state, start = restored["params"], restored["opt_state"], latest
+    step_fn = make_train_step(graphdef, loss_cfg, tx)
+    metrics_path = run_dir / "metrics.jsonl"
+    if start == 0 and metrics_path.exists():
+        metrics_path.unlink()
+    elif start > 0 and metrics_path.exists():  # drop lines logged after the checkpoint we resume from
+        kept = [l for l in metrics_path.read_text().splitlines() if l and json.loads(l)["step"] <= start]
+        metrics_path.write_text("".join(k + "\n" for k in kept))
+    bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", disable=not progress)
+    t_last = time.perf_counter()
+    acc: list[dict[str, Any]] = []
+    for step in range(start, tc.steps):
+        batch = _batch_to_device(loader.batch(step))
+        params, opt_state, m = step_fn(params, buffers, opt_state, batch, embed, lm_head)
+        acc.append(m)
+        done = step + 1
+        if done % tc.log_every == 0 or done == tc.steps:
+            host = jax.device_get(acc)
+            acc = []
+            now = time.perf_counter()
+            row = {"step": done, "seconds_per_step": (now - t_last) / len(host)}
+            t_last = now
+            for key in host[0]:
+                vals = np.stack([np.asarray(h[key]) for h in host])
+                row[key] = vals.mean(0).tolist()
+            row["tau_prob"] = probabilistic_tau(row["c_star"])
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau_prob']:.2f}")
+        if done % tc.ckpt_every == 0 or done == tc.steps:
+            mgr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+        bar.update(1)
+    mgr.wait_until_finished()
+    mgr.close()
+    bar.close()
+    return nnx.merge(graphdef, params, buffers)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Shipping format: config.json + weights.npz (float16) in one folder, written atomically.
+
+
+def _flat_state(drafter: Drafter) -> dict[str, np.ndarray]:
+    state = nnx.state(drafter)
+    out = {}
+    for path, var in nnx.to_flat_state(state):
+        out["/".join(map(str, path))] = np.asarray(var[...] if hasattr(var, "__getitem__") else var.value)
+    return out
+
+
+def save_drafter(drafter: Drafter, path: str | os.PathLike, *, extra: dict[str, Any] | None = None,
+                 dtype=np.float16) -> Path:
+    """Write ``config.json`` and ``weights.npz`` (floats as ``dtype``) to a folder, atomically."""
+    import shutil
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        flat = {k: (v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v)
+                for k, v in _flat_state(drafter).items()}
+        np.savez(tmp / "weights.npz", **flat)
+        meta = {"config": drafter.cfg.to_dict(), **(extra or {})}
+        (tmp / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
+        old = None
+        if path.exists():
+            old = path.with_name(path.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def load_drafter(path: str | os.PathLike) -> tuple[Drafter, dict[str, Any]]:
+    """Load a drafter folder written by `save_drafter` (weights as float32). Returns (drafter, metadata)."""
+    path = Path(path)
+    cfg_path, w_path = path / "config.json", path / "weights.npz"
+    if not cfg_path.is_file() or not w_path.is_file():
+        raise ValueError(f"drafter {path}: expected config.json and weights.npz in the folder")
+    meta = json.loads(cfg_path.read_text())
+    cfg = DrafterConfig.from_dict(meta["config"])
+    weights = dict(np.load(w_path))
+    vocab_ids = weights.get("vocab_ids")
+    drafter = Drafter(cfg, rngs=nnx.Rngs(0), vocab_ids=vocab_ids)
+    state = nnx.state(drafter)
+    flat = dict(nnx.to_flat_state(state))
+    missing = [k for k in ("/".join(map(str, p)) for p in flat) if k not in weights]
+    if missing:
+        raise ValueError(f"drafter {path}: weights.npz lacks {missing[:5]} (config and weights disagree)")
+    for p, var in flat.items():
+        arr = weights["/".join(map(str, p))]
+        want = var[...]
+        if arr.shape != want.shape:
+            raise ValueError(f"drafter {path}: {'/'.join(map(str, p))} has shape {arr.shape}, expected {want.shape}")
+        var[...] = jnp.asarray(arr, want.dtype)
+    return drafter, meta

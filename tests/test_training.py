@@ -1,0 +1,154 @@
+"""Loss terms against NumPy, checkpoint save / restore / resume, drafter export."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax import data, training
+from dspark_jax.models import drafter as dr
+from dspark_jax.models.llama import LlamaConfig, init_random_weights
+
+TARGET = LlamaConfig.tiny()
+G = 3
+
+
+def tiny_drafter(head="markov", confidence=True, vocab_ids=None, seed=0):
+    cfg = dr.DrafterConfig.for_target(TARGET, head=head, confidence=confidence, rank=4, block=G, n_layers=1,
+                                      ffn_dim=16, draft_vocab_size=0 if vocab_ids is None else len(vocab_ids))
+    d = dr.Drafter(cfg, rngs=nnx.Rngs(seed), vocab_ids=vocab_ids)
+    if head != "none":
+        d.w2.kernel[...] = 0.3 * jax.random.normal(jax.random.key(seed + 7), d.w2.kernel[...].shape)
+    return d
+
+
+def fake_cache(n_seq=6, seed=0):
+    """A TargetCache of random sequences with consistent lse (from the tiny target's tied head)."""
+    rng = np.random.default_rng(seed)
+    w = init_random_weights(TARGET, jax.random.key(1))
+    lengths = rng.integers(12, 30, size=n_seq)
+    prompt = rng.integers(3, 8, size=n_seq)
+    T = int(lengths.sum())
+    final = rng.normal(size=(T, TARGET.dim)).astype(np.float16).astype(np.float32)
+    logits = final @ np.asarray(w.embed).T
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    return w, data.TargetCache(
+        tokens=rng.integers(0, TARGET.vocab_size, size=T).astype(np.int32),
+        taps=rng.normal(size=(T, 5, TARGET.dim)).astype(data.BF16),
+        final=final.astype(np.float16),
+        lse=lse.astype(np.float32),
+        offsets=np.concatenate([[0], np.cumsum(lengths)[:-1]]),
+        lengths=lengths,
+        prompt_lengths=prompt,
+        domains=["x"] * n_seq,
+    )
+
+
+def loader_for(cache, seed=0):
+    return data.BlockLoader(cache, block=G, buckets=(32,), context_tokens=64, blocks=8, seed=seed)
+
+
+def test_loader_blocks_follow_the_spec():
+    _, cache = fake_cache()
+    b = loader_for(cache).batch(0)
+    N, B = b.anchors.shape
+    assert b.taps.shape == (N, 32, 5, TARGET.dim) and b.valid.shape == (N, B, G)
+    np.testing.assert_array_equal(loader_for(cache).batch(3).anchors, loader_for(cache).batch(3).anchors)
+    # anchors are assistant positions with an assistant successor, without repeats within a sequence
+    for i in range(N):
+        rows = b.anchors[i][b.valid[i, :, 0]]
+        assert len(set(rows.tolist())) == len(rows)
+
+
+def numpy_loss(d, batch, w_embed, loss_cfg):
+    """Loss terms recomputed in NumPy from the drafter's logits and the stored target state."""
+    head_w = dr.draft_head_weights(d, w_embed)
+    tokens, anchors = batch["tokens"], batch["anchors"]
+    N, S = tokens.shape
+    ctx_k, ctx_v = d.context_kv(jnp.asarray(batch["taps"], jnp.float32), jnp.broadcast_to(jnp.arange(S), (N, S)))
+    mask = np.arange(S)[None, None, :] < anchors[..., None]
+    h = d.hidden(ctx_k, ctx_v, mask, np.take_along_axis(tokens, anchors, 1), anchors, w_embed)
+    pos = np.clip(anchors[..., None] + np.arange(G), 0, S - 1)
+    prev = np.take_along_axis(tokens[:, None, :], pos, 2)
+    labels = np.take_along_axis(tokens[:, None, :], np.clip(pos + 1, 0, S - 1), 2)
+    logits, conf = (np.asarray(x, np.float64) for x in d.teacher_forced(h, prev, head_w))
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    p_d = np.exp(logp)
+    full_logits = np.asarray(batch["final"], np.float64) @ np.asarray(w_embed, np.float64).T  # [N,B,G,V]
+    p_t_full = np.exp(full_logits - np.asarray(batch["lse"], np.float64)[..., None])
+    ids = np.asarray(d.vocab_ids[...])
+    p_d_full = np.zeros_like(p_t_full)
+    p_d_full[..., ids] = p_d
+    l1 = np.abs(p_d_full - p_t_full).sum(-1)
+    c_star = np.clip(1 - l1 / 2, 0, 1)
+    to_draft = np.asarray(d.to_draft[...])
+    li = to_draft[labels]
+    inv = li < len(ids)
+    ce = -np.take_along_axis(logp, np.minimum(li, len(ids) - 1)[..., None], -1)[..., 0]
+    sig = 1 / (1 + np.exp(-conf))
+    bce = -(c_star * np.log(sig) + (1 - c_star) * np.log(1 - sig))
+    w = np.exp(-np.arange(G) / 4.0) * batch["valid"]
+    mean = lambda x, ww: (x * ww).sum() / ww.sum()  # noqa: E731
+    return {"ce": mean(ce, w * inv), "l1": mean(l1, w), "conf": mean(bce, w)}
+
+
+@pytest.mark.parametrize("vocab", [None, np.array([0, 2, 3, 5, 8, 13, 21, 34, 40, 55, 60])])
+def test_loss_terms_match_numpy(vocab):
+    w, cache = fake_cache()
+    d = tiny_drafter(vocab_ids=vocab)
+    b = loader_for(cache).batch(1)
+    batch = {k: getattr(b, k) for k in ("taps", "tokens", "anchors", "valid", "final", "lse")}
+    head_w = dr.draft_head_weights(d, w.embed)
+    loss, m = training.block_loss(d, jax.tree.map(jnp.asarray, batch), w.embed, head_w, training.LossConfig())
+    ref = numpy_loss(d, batch, w.embed, training.LossConfig())
+    for k in ("ce", "l1", "conf"):
+        np.testing.assert_allclose(float(m[k]), ref[k], rtol=2e-3, err_msg=k)
+    np.testing.assert_allclose(float(loss), 0.1 * ref["ce"] + 0.9 * ref["l1"] + ref["conf"], rtol=2e-3)
+
+
+def test_checkpoint_resume_reproduces_uninterrupted_run(tmp_path):
+    w, cache = fake_cache()
+    tc = training.TrainConfig(steps=6, log_every=2, ckpt_every=2, lr=1e-2)
+    full = training.train(tiny_drafter(), loader_for(cache), w.embed, None, tc=tc, loss_cfg=training.LossConfig(),
+                          run_dir=tmp_path / "full", progress=False)
+    # Interrupted: stop after 4 steps (same schedule), then resume to 6.
+    tc4 = training.TrainConfig(steps=6, log_every=2, ckpt_every=2, lr=1e-2)
+
+    class Stop(Exception):
+        pass
+
+    class StoppingLoader:
+        def __init__(self, inner, at):
+            self.inner, self.at = inner, at
+
+        def batch(self, step):
+            if step == self.at:
+                raise Stop
+            return self.inner.batch(step)
+
+    with pytest.raises(Stop):
+        training.train(tiny_drafter(), StoppingLoader(loader_for(cache), 4), w.embed, None, tc=tc4,
+                       loss_cfg=training.LossConfig(), run_dir=tmp_path / "cut", progress=False)
+    resumed = training.train(tiny_drafter(seed=99), loader_for(cache), w.embed, None, tc=tc4,
+                             loss_cfg=training.LossConfig(), run_dir=tmp_path / "cut", progress=False)
+    a, b = nnx.state(full, nnx.Param), nnx.state(resumed, nnx.Param)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
+    steps = [json.loads(l)["step"] for l in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4, 6]
+
+
+def test_save_and_load_drafter(tmp_path):
+    vocab = np.array([1, 4, 9, 16, 25, 36, 49])
+    d = tiny_drafter(vocab_ids=vocab)
+    training.save_drafter(d, tmp_path / "dr", extra={"sts_temperatures": [1.0, 2.0, 3.0]})
+    training.save_drafter(d, tmp_path / "dr")  # overwrite in place
+    back, meta = training.load_drafter(tmp_path / "dr")
+    assert back.cfg == d.cfg
+    a, b = nnx.state(d), nnx.state(back)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-4), a, b)
+    np.testing.assert_array_equal(back.vocab_ids[...], vocab)
+    with pytest.raises(ValueError, match="config.json and weights.npz"):
+        training.load_drafter(tmp_path / "nothing")
