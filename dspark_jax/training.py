@@ -281,3 +281,17 @@ def load_drafter(path: str | os.PathLike) -> tuple[Drafter, dict[str, Any]]:
             raise ValueError(f"drafter {path}: {'/'.join(map(str, p))} has shape {arr.shape}, expected {want.shape}")
         var[...] = jnp.asarray(arr, want.dtype)
     return drafter, meta
+
+
+def choose_draft_vocab(frequencies: np.ndarray, size: int, always: tuple[int, ...] = ()) -> np.ndarray:
+    """The ``size`` most frequent tokens (ties by id) plus ``always`` (e.g. EOS), as sorted ids.
+
+    Returns all ids when ``size`` is 0 or covers the vocabulary.
+    """
+    v = len(frequencies)
+    if size <= 0 or size >= v:
+        return np.arange(v, dtype=np.int32)
+    order = np.lexsort((np.arange(v), -np.asarray(frequencies)))
+    must = [int(t) for t in always]
+    chosen = [t for t in order[: size] if t not in must][: size - len(must)] + must
+    return np.sort(np.asarray(chosen, np.int32))

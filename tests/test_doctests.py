@@ -4,10 +4,10 @@ import doctest
 
 import pytest
 
-from dspark_jax import scheduler, sps, verify
+from dspark_jax import calibration, scheduler, sps, verify
 
 
-@pytest.mark.parametrize("module", [scheduler, verify, sps])
+@pytest.mark.parametrize("module", [scheduler, verify, sps, calibration])
 def test_doctests(module):
     result = doctest.testmod(module, extraglobs={"jnp": __import__("jax.numpy").numpy}, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0

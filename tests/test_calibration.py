@@ -1,0 +1,75 @@
+"""STS on synthetic miscalibrated data recovers the truth; metrics against NumPy."""
+
+import numpy as np
+import pytest
+
+from dspark_jax import calibration as cal
+
+
+def synthetic_rounds(n=40000, g=5, seed=0, true_temps=(2.0, 0.6, 3.0, 1.5, 2.5)):
+    """Confidence logits whose calibrated values are sigmoid(logit / T_k): draws the acceptance chain
+    from the true conditional probabilities, so the true temperatures are known."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0.5, 1.5, size=(n, g)).astype(np.float32)
+    p_true = 1 / (1 + np.exp(-logits / np.asarray(true_temps)[None, :g]))
+    accept = rng.uniform(size=(n, g)) < p_true
+    accepted = np.argmin(np.concatenate([accept, np.zeros((n, 1), bool)], 1), axis=1)  # leading True count
+    verified = np.full(n, g)
+    return logits, accepted, verified, np.asarray(true_temps[:g])
+
+
+def test_sts_recovers_true_temperatures():
+    logits, accepted, verified, truth = synthetic_rounds()
+    temps = cal.fit_sts(logits, accepted, verified)
+    # Early positions, where most rounds survive, pin their temperature down to a grid step or two.
+    np.testing.assert_allclose(np.log2(temps[:2]), np.log2(truth[:2]), atol=0.21)
+    # Everywhere, the calibrated survival is close to the true survival probability.
+    a_true = np.cumprod(1 / (1 + np.exp(-logits / truth[None, :])), axis=1)
+    a_sts = np.asarray(cal.survival_from_logits(logits, temps))
+    a_raw = np.asarray(cal.survival_from_logits(logits, np.ones(5)))
+    err_sts, err_raw = np.abs(a_sts - a_true).mean(), np.abs(a_raw - a_true).mean()
+    assert err_sts < 0.02 and err_sts < err_raw / 3, (err_sts, err_raw)
+    report = cal.calibration_report(logits, accepted, verified, temps)
+    assert report["ece_raw"] > 0.025
+    assert report["ece_sts"] < 0.01
+
+
+def test_sts_handles_partially_verified_rounds():
+    logits, accepted, verified, truth = synthetic_rounds(seed=1)
+    rng = np.random.default_rng(2)
+    verified = rng.integers(0, 6, size=len(verified))
+    accepted = np.minimum(accepted, verified)
+    temps = cal.fit_sts(logits, accepted, verified)
+    np.testing.assert_allclose(np.log2(temps[:2]), np.log2(truth[:2]), atol=0.31)
+    report = cal.calibration_report(logits, accepted, verified, temps)
+    assert report["per_position"][4]["n"] < report["per_position"][0]["n"]
+    assert report["ece_sts"] < report["ece_raw"]
+
+
+def test_ece_brier_against_numpy():
+    rng = np.random.default_rng(3)
+    p = rng.uniform(size=1000)
+    y = rng.uniform(size=1000) < p ** 2
+    w = rng.uniform(size=1000) < 0.8
+    idx = np.minimum((p * 20).astype(int), 19)
+    num = sum(abs((p[w & (idx == b)]).sum() - y[w & (idx == b)].sum()) for b in range(20))
+    np.testing.assert_allclose(float(cal.ece(p, y, w)), num / w.sum(), rtol=1e-4)
+    np.testing.assert_allclose(float(cal.brier(p, y, w)), np.mean((p[w] - y[w]) ** 2), rtol=1e-4)
+
+
+def test_auroc_against_pairwise_count():
+    rng = np.random.default_rng(4)
+    p = np.round(rng.uniform(size=300), 1)  # many ties
+    y = rng.uniform(size=300) < p
+    pos, neg = p[y], p[~y]
+    want = ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (len(pos) * len(neg))
+    np.testing.assert_allclose(cal.auroc(p, y), want, rtol=1e-12)
+    assert np.isnan(cal.auroc(p, np.ones_like(y)))
+
+
+def test_temperature_file_round_trip(tmp_path):
+    cal.save_temperatures(tmp_path / "sts.json", [0.5, 1.0], {"rounds": 3})
+    np.testing.assert_allclose(cal.load_temperatures(tmp_path / "sts.json"), [0.5, 1.0])
+    (tmp_path / "bad.json").write_text('{"temperatures": [0, 1]}')
+    with pytest.raises(ValueError, match="positive"):
+        cal.load_temperatures(tmp_path / "bad.json")

@@ -1,0 +1,41 @@
+"""Generate drafter training data: the target answers the training prompts itself (resumable).
+
+    python -m train.generate_data --prompts ../shared/data/prompts/train --out runs/data/responses
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dspark_jax.data import generate_responses, load_prompts
+from dspark_jax.models.llama import LlamaModel
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", nargs="+", default=["../shared/data/prompts/train"],
+                   help="JSONL files or folders of training prompts (never dev/)")
+    p.add_argument("--out", default="runs/data/responses")
+    p.add_argument("--model", default=None, help="GGUF path (default: the cached SmolLM2-135M-Instruct)")
+    p.add_argument("--limit", type=int, default=None, help="prompts per file")
+    p.add_argument("--max-new-tokens", type=int, default=384)
+    p.add_argument("--max-prompt-tokens", type=int, default=640)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slots", type=int, default=48)
+    p.add_argument("--chunk", type=int, default=96, help="prompts per resumable chunk")
+    args = p.parse_args(argv)
+    for path in args.prompts:
+        if "dev" in Path(path).resolve().parts:
+            p.error(f"--prompts {path}: dev prompts are for evaluation only; never train on them")
+    prompts = load_prompts(args.prompts, limit=args.limit)
+    model = LlamaModel.from_gguf(args.model)
+    files = generate_responses(model, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, seed=args.seed, num_slots=args.slots,
+                               chunk_size=args.chunk, max_prompt_tokens=args.max_prompt_tokens)
+    print(f"{len(files)} chunks in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
