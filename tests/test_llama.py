@@ -63,6 +63,13 @@ def copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
+def entries(cache: KVCache):
+    """All K and V entries as NumPy [L, S, C, K, E] (whatever the cache's storage layout)."""
+    pos = np.arange(cache.capacity)
+    k, v = zip(*(cache.read(s, pos) for s in range(cache.num_slots)))
+    return np.stack(k, axis=1), np.stack(v, axis=1)
+
+
 CFG = LlamaConfig.tiny()
 
 
@@ -140,11 +147,14 @@ def test_masked_softmax_empty_row_is_zero():
 # Tiny random model: cache semantics against the NumPy reference
 
 
-def test_packed_forward_matches_numpy_reference(tiny):
+@pytest.mark.parametrize("max_per_slot", [None, 4, 6])
+def test_packed_forward_matches_numpy_reference(tiny, max_per_slot):
     cache = _prefilled_cache(tiny, PREFIXES)
-    before = copy(cache)
+    before_k, before_v = entries(cache)
+    before_lengths = cache.lengths.tolist()
     tokens, slots, positions, valid = _packed_batch()
-    logits, extras, cache = forward_packed(tiny, cache, tokens, slots, positions, valid, CFG)
+    logits, extras, cache = forward_packed(tiny, cache, tokens, slots, positions, valid, CFG, max_per_slot)
+    k_now, v_now = entries(cache)
     refs = {s: np_forward(tiny, CFG, PREFIXES[s] + NEW[s]) for s in range(3)}
     for t in np.flatnonzero(valid):
         s, p = slots[t], positions[t]
@@ -152,21 +162,23 @@ def test_packed_forward_matches_numpy_reference(tiny):
         np.testing.assert_allclose(logits[t], ref_logits[p], rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(extras.taps[t], ref_outs[list(CFG.tap_layers), p], rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(extras.final_hidden[t], ref_final[p], rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(cache.k[:, s, p], ref_k[:, p], rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(cache.v[:, s, p], ref_v[:, p], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(k_now[:, s, p], ref_k[:, p], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(v_now[:, s, p], ref_v[:, p], rtol=1e-4, atol=1e-5)
     # Lengths are the caller's to move; nothing but the valid tokens' entries changed (padding wrote nothing).
-    np.testing.assert_array_equal(cache.lengths, before.lengths)
-    written = np.zeros(cache.k.shape[1:3], bool)
+    assert cache.lengths.tolist() == before_lengths
+    written = np.zeros((cache.num_slots, cache.capacity), bool)
     written[slots[valid], positions[valid]] = True
-    np.testing.assert_array_equal(np.asarray(cache.k)[:, ~written], np.asarray(before.k)[:, ~written])
-    np.testing.assert_array_equal(np.asarray(cache.v)[:, ~written], np.asarray(before.v)[:, ~written])
+    np.testing.assert_array_equal(k_now[:, ~written], before_k[:, ~written])
+    np.testing.assert_array_equal(v_now[:, ~written], before_v[:, ~written])
     assert np.isfinite(np.asarray(logits)).all()
 
 
-def test_packed_equals_each_slot_alone(tiny):
+@pytest.mark.parametrize("max_per_slot", [None, 4])
+def test_packed_equals_each_slot_alone(tiny, max_per_slot):
     cache = _prefilled_cache(tiny, PREFIXES)
     tokens, slots, positions, valid = _packed_batch(T=16)
-    packed, packed_extras, packed_cache = forward_packed(tiny, copy(cache), tokens, slots, positions, valid, CFG)
+    packed, packed_extras, packed_cache = forward_packed(tiny, copy(cache), tokens, slots, positions, valid, CFG,
+                                                         max_per_slot)
     for s in range(3):
         idx = np.flatnonzero(valid & (slots == s))
         pad = 8 - len(idx)
@@ -181,12 +193,13 @@ def test_packed_equals_each_slot_alone(tiny):
         np.testing.assert_allclose(packed_cache.k[:, s], alone_cache.k[:, s], rtol=1e-5, atol=1e-5)
 
 
-def test_rows_with_nothing_visible_give_zeros_not_nan(tiny):
+@pytest.mark.parametrize("max_per_slot", [None, 2])
+def test_rows_with_nothing_visible_give_zeros_not_nan(tiny, max_per_slot):
     cache = _prefilled_cache(tiny, PREFIXES)
     before = copy(cache)
     T = 8
     logits, extras, cache = forward_packed(tiny, cache, jnp.arange(T), jnp.zeros(T, jnp.int32),
-                                           jnp.arange(T), jnp.zeros(T, bool), CFG)
+                                           jnp.arange(T), jnp.zeros(T, bool), CFG, max_per_slot)
     assert np.isfinite(np.asarray(logits)).all()
     np.testing.assert_array_equal(cache.k, before.k)
     np.testing.assert_array_equal(cache.v, before.v)
@@ -252,6 +265,9 @@ def test_check_packed_rejects_bad_batches(tiny):
         llama.check_packed(cache, tokens, slots, np.where(valid & (slots == 0), 1, positions), valid)
     with pytest.raises(ValueError, match="positions must have shape"):
         llama.check_packed(cache, tokens, slots, positions[:3], valid)
+    llama.check_packed(cache, *ok, max_per_slot=4)
+    with pytest.raises(ValueError, match="slot 2 has 4 valid tokens, more than max_per_slot=3"):
+        llama.check_packed(cache, *ok, max_per_slot=3)
 
 
 def test_step_functions_do_not_recompile(tiny):
@@ -384,6 +400,9 @@ def test_real_packed_verification_equals_each_slot_alone(target):
     rows = [rows[i] for i in np.random.default_rng(0).permutation(len(rows))]
     tokens, slots, positions = (np.array(c) for c in zip(*rows))
     packed, _, _ = target.verify(copy(cache), tokens, slots, positions, check=True)  # padded to 16
+    most = max(map(len, drafts))
+    grid, _, _ = target.verify(copy(cache), tokens, slots, positions, max_per_slot=most, check=True)
+    np.testing.assert_allclose(grid, packed, rtol=1e-4, atol=1e-4)
     for s in range(3):
         idx = np.flatnonzero(slots == s)
         idx = idx[np.argsort(positions[idx])]  # this slot's drafts in sequence order
