@@ -1,0 +1,98 @@
+"""Target model speed: plain decode tokens/s against concurrent slots, packed-verification step time against T.
+
+    python -m profiling.bench_target [--quick] [--json out.json] [--model PATH]
+
+Every slot holds `--context` committed tokens (one real prompt's K/V, copied to all slots). Decode: one token
+per slot per step. Verification: T tokens spread round-robin over 16 slots, with the per-token cache gather
+(max_per_slot None) and the slot grid (max_per_slot = ceil(T / 16)). Compilation is excluded (warm-up calls);
+medians of repeated, blocked calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.models.llama import LlamaModel, bucket_for, decode_step, forward_packed
+from dspark_jax.timing import device_info, format_table, time_call, write_json
+
+
+def filled_cache(model: LlamaModel, num_slots: int, capacity: int, context: int):
+    """A cache whose every slot holds the same `context` tokens of real text."""
+    text = "The quick brown fox jumps over the lazy dog. " * (context // 8 + 1)
+    ids = model.tokenizer.encode(text)[:context]
+    _, _, cache = model.prefill(model.init_cache(1, capacity), ids, 0)
+    k = jnp.broadcast_to(cache.k, (cache.k.shape[0], num_slots, *cache.k.shape[2:]))
+    v = jnp.broadcast_to(cache.v, (cache.v.shape[0], num_slots, *cache.v.shape[2:]))
+    return cache.replace(k=k + 0, v=v + 0, lengths=jnp.full((num_slots,), context, jnp.int32))
+
+
+def bench_decode(model, slots_list, context, repeats):
+    rows = []
+    for S in slots_list:
+        state = {"cache": filled_cache(model, S, bucket_for(context + 64), context)}
+        tokens, active = jnp.zeros(S, jnp.int32), jnp.ones(S, bool)
+
+        def step():
+            logits, _, cache = decode_step(model.weights, state["cache"], tokens, active, model.cfg)
+            state["cache"] = cache.replace(lengths=cache.lengths - 1)  # stay at the same context length
+            return logits
+
+        t = time_call(step, repeats=repeats, warmup=2)
+        rows.append({"bench": "decode", "slots": S, "context": context, "capacity": state["cache"].capacity,
+                     "step_ms": 1e3 * t.median, "p25_ms": 1e3 * t.p25, "p75_ms": 1e3 * t.p75,
+                     "tokens_per_s": S / t.median})
+    return rows
+
+
+def bench_verify(model, sizes, context, num_slots, repeats, modes):
+    rows = []
+    for T in sizes:
+        per_slot = -(-T // num_slots)
+        state = {"cache": filled_cache(model, num_slots, bucket_for(context + per_slot), context)}
+        idx = np.arange(T)
+        args = (jnp.asarray(np.full(T, 42, np.int32)), jnp.asarray(idx % num_slots, jnp.int32),
+                jnp.asarray(context + idx // num_slots, jnp.int32), jnp.ones(T, bool))
+        for mode in modes:
+            max_per_slot = per_slot if mode == "grid" else None
+
+            def step():
+                logits, _, state["cache"] = forward_packed(model.weights, state["cache"], *args, model.cfg,
+                                                           max_per_slot)
+                return logits
+
+            t = time_call(step, repeats=repeats, warmup=1)
+            rows.append({"bench": "verify", "T": T, "mode": mode, "max_per_slot": max_per_slot,
+                         "slots": num_slots, "context": context, "capacity": state["cache"].capacity,
+                         "step_ms": 1e3 * t.median, "p25_ms": 1e3 * t.p25, "p75_ms": 1e3 * t.p75,
+                         "tokens_per_s": T / t.median})
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer repeats, grid mode only (< 1 min on 2 cores)")
+    p.add_argument("--json", help="write the rows and the device description here")
+    p.add_argument("--model", help="GGUF path (default: the cached SmolLM2-135M-Instruct)")
+    p.add_argument("--context", type=int, default=256, help="committed tokens per slot")
+    args = p.parse_args(argv)
+
+    model = LlamaModel.from_gguf(args.model)
+    repeats = 3 if args.quick else 7
+    modes = ("grid",) if args.quick else ("per_token", "grid")
+    decode = bench_decode(model, (1, 4, 16), args.context, repeats)
+    verify = bench_verify(model, (8, 32, 128, 512), args.context, 16, repeats, modes)
+    print(format_table(decode, ["slots", "context", "capacity", "step_ms", "tokens_per_s"]))
+    print()
+    print(format_table(verify, ["T", "mode", "slots", "context", "capacity", "step_ms", "tokens_per_s"]))
+    if args.json:
+        write_json(args.json, {"device": device_info(), "date": datetime.date.today().isoformat(),
+                               "dtype": str(model.dtype), "quick": args.quick, "decode": decode, "verify": verify})
+
+
+if __name__ == "__main__":
+    main()
