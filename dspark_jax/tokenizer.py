@@ -61,7 +61,6 @@ class Tokenizer:
         self._tk.add_tokens([AddedToken(t, special=False, normalized=False)
                              for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
         self.tokens = list(tokens)
-        self.special_ids = frozenset(i for i, ty in enumerate(types) if ty == _CONTROL)
         self.vocab_size = len(tokens)
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.stop_ids = (eos_id,)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zipfile
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from dspark_jax.models import gguf
 from dspark_jax.models.gguf import GGUFError, default_model_path, load_gguf, unpermute_rope_rows
+from dspark_jax.models.llama import SMOLLM2_135M
 
 
 def _write_small_gguf(path: Path) -> None:
@@ -95,11 +97,10 @@ def test_corrupt_files_errors(tmp_path, gguf_path):
 
 def test_config_from_metadata(target):
     cfg = target.cfg
-    assert (cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim) == (
-        49152, 576, 30, 9, 3, 64, 1536)
-    assert cfg.rope_base == 100000.0 and cfg.tie_embeddings and target.weights.lm_head is None
+    # The numbers: 30 layers, width 576, 9/3 heads of 64, FFN 1536, vocab 49152, RoPE 1e5, tied.
+    assert cfg == dataclasses.replace(SMOLLM2_135M, norm_eps=cfg.norm_eps)  # eps is stored as float32
     np.testing.assert_allclose(cfg.norm_eps, 1e-5, rtol=1e-6)
-    assert cfg.tap_layers == (1, 8, 14, 20, 27)
+    assert cfg.tap_layers == (1, 8, 14, 20, 27) and target.weights.lm_head is None
     assert target.weights.layers.wq.shape == (30, 576, 576)
     assert target.weights.layers.wk.shape == (30, 576, 192)
     assert target.weights.layers.w_down.shape == (30, 1536, 576)

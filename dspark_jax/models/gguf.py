@@ -130,15 +130,16 @@ def read_config(reader) -> LlamaConfig:
     n_heads = int(_field(reader, "llama.attention.head_count"))
     n_kv = int(_field(reader, "llama.attention.head_count_kv", n_heads))
     head_dim = int(_field(reader, "llama.attention.key_length", dim // n_heads))
-    tensor_names = {t.name for t in reader.tensors}
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    vocab = int(_field(reader, "llama.vocab_size", int(embed.shape[-1])))
+    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}  # GGUF order: [in, out]
+    if "token_embd.weight" not in shapes:
+        raise GGUFError("the GGUF file has no token_embd.weight tensor")
+    vocab = int(_field(reader, "llama.vocab_size", shapes["token_embd.weight"][-1]))
     return LlamaConfig(
         vocab_size=vocab, dim=dim, n_layers=int(_field(reader, "llama.block_count")), n_heads=n_heads,
         n_kv_heads=n_kv, head_dim=head_dim, ffn_dim=int(_field(reader, "llama.feed_forward_length")),
         rope_base=float(_field(reader, "llama.rope.freq_base", 10000.0)),
         norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="output.weight" not in tensor_names)
+        tie_embeddings="output.weight" not in shapes)
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -105,7 +105,7 @@ class LayerWeights:
     """Per-layer weights stacked on a leading [L] axis; projections are applied as x @ W."""
 
     attn_norm: jax.Array  # [L, D]
-    wq: jax.Array  # [L, D, H*E]  (rows in the rotate-half layout of Hugging Face, not llama.cpp's)
+    wq: jax.Array  # [L, D, H*E]  (head features in Hugging Face's rotate-half order, not llama.cpp's)
     wk: jax.Array  # [L, D, K*E]
     wv: jax.Array  # [L, D, K*E]
     wo: jax.Array  # [L, H*E, D]
