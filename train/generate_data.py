@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
+
 from dspark_jax.data import generate_responses, load_prompts
 from dspark_jax.models.llama import LlamaModel
 
@@ -25,11 +27,15 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slots", type=int, default=48)
     p.add_argument("--chunk", type=int, default=96, help="prompts per resumable chunk")
+    p.add_argument("--shuffle-seed", type=int, default=0,
+                   help="prompts are shuffled with this seed so that every prefix of chunks mixes the domains")
     args = p.parse_args(argv)
     for path in args.prompts:
         if "dev" in Path(path).resolve().parts:
             p.error(f"--prompts {path}: dev prompts are for evaluation only; never train on them")
     prompts = load_prompts(args.prompts, limit=args.limit)
+    order = np.random.default_rng(args.shuffle_seed).permutation(len(prompts))
+    prompts = [prompts[i] for i in order]
     model = LlamaModel.from_gguf(args.model)
     files = generate_responses(model, prompts, args.out, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, seed=args.seed, num_slots=args.slots,
