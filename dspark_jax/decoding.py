@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.models.llama import LlamaModel, prefill, prefill_chunks
+from dspark_jax.models.llama import CONTEXT_STEP, LlamaModel, context_bucket, prefill, prefill_chunks
 
 
 @jax.jit
@@ -139,7 +139,8 @@ def plain_generate(model: LlamaModel, prompt_ids_list: Sequence[Sequence[int]], 
             continue
         positions = np.array([len(results[i].prompt_ids) + len(results[i].output_ids) if i >= 0 else 0
                               for i in slot_request])
-        logits, _, cache = model.decode(cache, next_token, active)
+        context = context_bucket(int(positions[active].max()) + 1, capacity)
+        logits, _, cache = model.decode(cache, next_token, active, context=context)
         tokens = sample(logits, np.maximum(slot_request, 0), positions)
         steps += 1
         for s in np.flatnonzero(active):
@@ -158,7 +159,11 @@ def _warm_up(model: LlamaModel, cache, prompt_ids_list, seed, temp):
     for size in sizes:  # one valid token: any chunk size fits any capacity
         _, _, cache = prefill(model.weights, cache, jnp.zeros(size, jnp.int32), jnp.int32(0), jnp.int32(0),
                               jnp.int32(1), model.cfg)
-    logits, _, cache = model.decode(cache, np.zeros(S, np.int32), np.zeros(S, bool))
+    shortest = min(len(p) for p in prompt_ids_list)
+    contexts = sorted({context_bucket(n, cache.capacity) for n in range(shortest + 1, cache.capacity + 1, CONTEXT_STEP)}
+                      | {cache.capacity})
+    for context in contexts:  # every attention window the run can use
+        logits, _, cache = model.decode(cache, np.zeros(S, np.int32), np.zeros(S, bool), context=context)
     sample_tokens(logits, seed, jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.int32), temp).block_until_ready()
     sample_tokens(logits[:1], seed, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), temp).block_until_ready()
     return cache

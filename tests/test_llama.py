@@ -147,13 +147,20 @@ def test_masked_softmax_empty_row_is_zero():
 # Tiny random model: cache semantics against the NumPy reference
 
 
-@pytest.mark.parametrize("max_per_slot", [None, 4, 6])
-def test_packed_forward_matches_numpy_reference(tiny, max_per_slot):
+@pytest.mark.parametrize("max_per_slot,row_slots,context", [
+    (None, None, None), (4, None, None), (6, None, None), (None, None, 16),
+    (4, (2, 0, 1), None), (4, (1, 2, 0, 3), 16),  # a subset of the slots, in any order; a context window
+])
+def test_packed_forward_matches_numpy_reference(tiny, max_per_slot, row_slots, context):
     cache = _prefilled_cache(tiny, PREFIXES)
     before_k, before_v = entries(cache)
     before_lengths = cache.lengths.tolist()
     tokens, slots, positions, valid = _packed_batch()
-    logits, extras, cache = forward_packed(tiny, cache, tokens, slots, positions, valid, CFG, max_per_slot)
+    if row_slots is not None:
+        row_slots = jnp.array(row_slots, jnp.int32)
+        slots = np.where(valid, slots, 2)  # padding points at a live slot of the rows
+    logits, extras, cache = forward_packed(tiny, cache, tokens, slots, positions, valid, CFG, max_per_slot,
+                                           row_slots, context)
     k_now, v_now = entries(cache)
     refs = {s: np_forward(tiny, CFG, PREFIXES[s] + NEW[s]) for s in range(3)}
     for t in np.flatnonzero(valid):

@@ -29,6 +29,18 @@ from jax import lax
 BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
 # Chunk sizes for prefill: a prompt is cut into chunks of these sizes, so prompt lengths do not each compile.
 PREFILL_CHUNKS = (16, 64, 256)
+# Granularity of the attention window over the cache (see `context_bucket`).
+CONTEXT_STEP = 128
+
+
+def context_bucket(n: int, capacity: int, step: int = CONTEXT_STEP) -> int:
+    """The static context window for attention when every position lies below ``n``: ``n`` rounded up to
+    a multiple of ``step``, at most the capacity (a few shapes, each compiled once).
+
+    >>> context_bucket(130, 1024)
+    256
+    """
+    return min(capacity, max(step, -(-int(n) // step) * step))
 
 
 def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int:
@@ -261,7 +273,8 @@ def logits_from_hidden(weights: LlamaWeights, hidden: jax.Array) -> jax.Array:
 
 
 def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: jax.Array,
-             positions: jax.Array, valid: jax.Array, cfg: LlamaConfig, *, reads: str, max_per_slot: int = 1
+             positions: jax.Array, valid: jax.Array, cfg: LlamaConfig, *, reads: str, max_per_slot: int = 1,
+             row_slots: jax.Array | None = None, context: int | None = None
              ) -> tuple[ForwardExtras, KVCache]:
     """Shared body of the entry points: writes K/V of valid tokens, attends, returns hidden states.
 
@@ -271,9 +284,14 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
         to the layer's cache as it is, with no copy of it (decode with M = 1, packed verification);
       "per_token": any number of tokens per slot: each token gathers its slot's [K, E, C] cache, a copy that
         grows with T * C (packed verification without a bound M).
+    With "grid", `row_slots` (int [R], static R) restricts the grid to those slots: their caches are gathered
+    (R rows instead of all S), so the cost follows the number of active requests; tokens of other slots are
+    not allowed. `context` (static) reads only cache positions [0, context): every valid position must lie
+    below it; the cost then follows the context actually held rather than the capacity.
     """
     T = tokens.shape[0]
     S, C = cache.num_slots, cache.capacity
+    C = C if context is None else min(int(context), C)
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     Q, M = H // K, max_per_slot
     dtype = weights.embed.dtype
@@ -281,13 +299,16 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
     write_slots = jnp.where(valid, slots, S)  # out of range: mode="drop" writes nothing for padding
     read_slots = jnp.clip(slots, 0, S - 1)
     if reads == "grid":
-        # Token t goes to cell slot * M + (number of earlier valid tokens of its slot); padding to S * M (dropped).
-        onehot = (slots[:, None] == jnp.arange(S)[None, :]) & valid[:, None]  # [T, S]
-        rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), read_slots[:, None], axis=1)[:, 0] - 1  # [T]
-        placed = valid & (rank < M)
-        cell = jnp.where(placed, read_slots * M + rank, S * M)  # [T]
-        cell_pos = jnp.full((S * M,), -1, jnp.int32).at[cell].set(positions, mode="drop")  # [S*M]
-        visible = (jnp.arange(C)[None, :] <= cell_pos[:, None]).reshape(S, 1, M, 1, C)  # [S, K, M, Q, C]
+        # Token t goes to cell row * M + (number of earlier valid tokens of its row); padding to R * M (dropped).
+        grid_slots = jnp.arange(S, dtype=jnp.int32) if row_slots is None else row_slots.astype(jnp.int32)
+        G = grid_slots.shape[0]  # grid rows
+        onehot = (slots[:, None] == grid_slots[None, :]) & valid[:, None]  # [T, G]
+        token_row = jnp.argmax(onehot, axis=1)  # [T]
+        rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), token_row[:, None], axis=1)[:, 0] - 1  # [T]
+        placed = valid & jnp.any(onehot, axis=1) & (rank < M)
+        cell = jnp.where(placed, token_row * M + rank, G * M)  # [T]
+        cell_pos = jnp.full((G * M,), -1, jnp.int32).at[cell].set(positions, mode="drop")  # [G*M]
+        visible = (jnp.arange(C)[None, :] <= cell_pos[:, None]).reshape(G, 1, M, 1, C)  # [G, K, M, Q, C]
     else:
         # [T, C] a token sees its slot's positions up to its own (committed prefix + earlier new tokens).
         visible = (jnp.arange(C)[None, :] <= positions[:, None]) & valid[:, None]
@@ -300,16 +321,20 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
         several times slower otherwise).
         """
         if reads == "per_token":
-            keys, values = k_cache[i, read_slots], v_cache[i, read_slots]  # [T, K, E, C], [T, K, C, E]
+            keys, values = k_cache[i, read_slots, ..., :C], v_cache[i, read_slots, :, :C]  # [T, K, E, C], [T, K, C, E]
             probs = masked_softmax(jnp.einsum("tkqe,tkec->tkqc", q, keys.astype(jnp.float32)), visible)
             return jnp.einsum("tkqc,tkce->tkqe", probs, values.astype(jnp.float32))
         if reads == "one_slot":
-            keys, values = k_cache[i, read_slots[0]][None], v_cache[i, read_slots[0]][None]  # [1, K, E, C]...
+            keys = k_cache[i, read_slots[0], ..., :C][None]  # [1, K, E, C]
+            values = v_cache[i, read_slots[0], :, :C][None]  # [1, K, C, E]
             rows = q.transpose(1, 0, 2, 3)[None]  # [1, K, T, Q, E]
         else:  # grid
-            keys, values = k_cache[i], v_cache[i]  # [S, K, E, C], [S, K, C, E]
-            grid = jnp.zeros((S * M, K, Q, E), q.dtype).at[cell].set(q, mode="drop")
-            rows = grid.reshape(S, M, K, Q, E).transpose(0, 2, 1, 3, 4)  # [S, K, M, Q, E]
+            if row_slots is None:  # every slot, read in place
+                keys, values = k_cache[i, ..., :C], v_cache[i, :, :, :C]  # [S, K, E, C], [S, K, C, E]
+            else:  # the rows' slots only
+                keys, values = k_cache[i, grid_slots, ..., :C], v_cache[i, grid_slots, :, :C]  # [G, K, E, C]...
+            grid = jnp.zeros((G * M, K, Q, E), q.dtype).at[cell].set(q, mode="drop")
+            rows = grid.reshape(G, M, K, Q, E).transpose(0, 2, 1, 3, 4)  # [G, K, M, Q, E]
         B, _, R = rows.shape[:3]
         scores = jnp.einsum("bkre,bkec->bkrc", rows.reshape(B, K, R * Q, E), keys.astype(jnp.float32))
         probs = masked_softmax(scores.reshape(B, K, R, Q, C), visible)  # [B, K, R, Q, C]
@@ -317,7 +342,7 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
         out = out.reshape(B, K, R, Q, E)
         if reads == "one_slot":
             return out[0].transpose(1, 0, 2, 3)
-        out = out.transpose(0, 2, 1, 3, 4).reshape(S * M, K, Q, E)[jnp.minimum(cell, S * M - 1)]  # [T, K, Q, E]
+        out = out.transpose(0, 2, 1, 3, 4).reshape(G * M, K, Q, E)[jnp.minimum(cell, G * M - 1)]  # [T, K, Q, E]
         return jnp.where(placed[:, None, None, None], out, 0.0)
 
     def layer(carry, lw: LayerWeights):
@@ -343,9 +368,10 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
     return extras, cache.replace(k=k_cache, v=v_cache)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_per_slot"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_per_slot", "context"), donate_argnames=("cache",))
 def forward_packed(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: jax.Array,
-                   positions: jax.Array, valid: jax.Array, cfg: LlamaConfig, max_per_slot: int | None = None
+                   positions: jax.Array, valid: jax.Array, cfg: LlamaConfig, max_per_slot: int | None = None,
+                   row_slots: jax.Array | None = None, context: int | None = None
                    ) -> tuple[jax.Array, ForwardExtras, KVCache]:
     """Packed verification: a flat batch of tokens from many slots in one forward.
 
@@ -370,6 +396,10 @@ def forward_packed(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slo
         valid: bool [T] False for padding.
         cfg: static config.
         max_per_slot: static bound on the valid tokens of one slot in this call, or None.
+        row_slots: optional int [R] (with max_per_slot): the only slots that hold valid tokens; the grid then
+            has R rows and reads only those slots' caches (the cost follows the active requests, not S).
+        context: optional static bound: every valid position is below it, and only cache positions
+            [0, context) are read (the cost follows the context held, not the capacity; see `context_bucket`).
     Returns:
         logits float32 [T, V], ForwardExtras (taps [T, N, D], final_hidden [T, D]), the cache with K/V written.
 
@@ -381,10 +411,13 @@ def forward_packed(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slo
     ((4, 64), (4, 5, 32))
     """
     if max_per_slot is None:
-        extras, cache = _forward(weights, cache, tokens, slots, positions, valid, cfg, reads="per_token")
+        if row_slots is not None:
+            raise ValueError("row_slots needs max_per_slot (the grid layout)")
+        extras, cache = _forward(weights, cache, tokens, slots, positions, valid, cfg, reads="per_token",
+                                 context=context)
     else:
         extras, cache = _forward(weights, cache, tokens, slots, positions, valid, cfg, reads="grid",
-                                 max_per_slot=max_per_slot)
+                                 max_per_slot=max_per_slot, row_slots=row_slots, context=context)
     return logits_from_hidden(weights, extras.final_hidden), extras, cache
 
 
@@ -411,20 +444,23 @@ def prefill(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slot: jax.
     return logits_from_hidden(weights, last), extras, cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "context"), donate_argnames=("cache",))
 def decode_step(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, active: jax.Array,
-                cfg: LlamaConfig) -> tuple[jax.Array, ForwardExtras, KVCache]:
+                cfg: LlamaConfig, context: int | None = None) -> tuple[jax.Array, ForwardExtras, KVCache]:
     """Plain decode: one token per active slot at position lengths[slot], then lengths += active.
 
     Args:
         tokens: int [S] the next token of each slot (ignored where not active).
         active: bool [S].
+        context: optional static bound above every active slot's length; only cache positions below it
+            are read (see `context_bucket`).
     Returns:
         logits float32 [S, V], ForwardExtras ([S, N, D], [S, D]), the cache (donated) with lengths advanced.
     """
     S = cache.num_slots
     slots = jnp.arange(S, dtype=jnp.int32)
-    extras, new_cache = _forward(weights, cache, tokens, slots, cache.lengths, active, cfg, reads="grid")
+    extras, new_cache = _forward(weights, cache, tokens, slots, cache.lengths, active, cfg, reads="grid",
+                                 context=context)
     new_cache = new_cache.replace(lengths=cache.lengths + active.astype(jnp.int32))
     return logits_from_hidden(weights, extras.final_hidden), extras, new_cache
 
@@ -535,10 +571,11 @@ class LlamaModel:
         return prefill_prompt(self.weights, cache, prompt_ids, slot, self.cfg, start=start,
                               return_extras=return_extras)
 
-    def decode(self, cache: KVCache, tokens, active):
-        """See `decode_step` (the cache is donated)."""
+    def decode(self, cache: KVCache, tokens, active, *, context: int | None = None):
+        """See `decode_step` (the cache is donated). ``context``: a static bound above every active
+        slot's length (use `context_bucket` so that few shapes compile)."""
         return decode_step(self.weights, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(active, bool),
-                           self.cfg)
+                           self.cfg, context)
 
     def verify(self, cache: KVCache, tokens, slots, positions, valid=None, *, max_per_slot: int | None = None,
                check: bool = False):
