@@ -302,7 +302,8 @@ def sample_block(drafter: Drafter, h: jax.Array, anchors: jax.Array, keys: jax.A
       head_w: [D, W] frozen LM head over the draft vocabulary.
     Returns:
       tokens int32 [R, G] (target token ids), probs float32 [R, G, W] (the exact distributions the tokens
-      were drawn from, over the draft vocabulary), confidence logits float32 [R, G].
+      were drawn from, over the draft vocabulary), confidence logits float32 [R, G] (without a confidence
+      head: the logit of each slot's top probability at temperature 1).
     """
     cfg = drafter.cfg
     R, G, _ = h.shape
@@ -326,7 +327,12 @@ def sample_block(drafter: Drafter, h: jax.Array, anchors: jax.Array, keys: jax.A
         drawn = jax.vmap(jax.random.categorical)(key_k, logp)
         idx = jnp.where(greedy, top, drawn).astype(jnp.int32)
         token = drafter.vocab_ids[...][idx]
-        conf = jnp.zeros((R,), jnp.float32) if conf is None else conf.astype(jnp.float32)
+        if conf is None:
+            # No confidence head (a plain DFlash drafter): the logit of the slot's top probability at
+            # temperature 1, a proxy that depends on the earlier tokens only, never on the token drawn here.
+            top = jnp.clip(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1), 1e-6, 1 - 1e-6)
+            conf = jnp.log(top) - jnp.log1p(-top)
+        conf = conf.astype(jnp.float32)
         return (token, state), (token, probs, conf)
 
     state0 = jnp.zeros((R, cfg.rank), h.dtype)
@@ -378,7 +384,8 @@ def write_context(drafter: Drafter, cache: DrafterCache, taps, slots, positions,
     )
 
 
-def draft(drafter: Drafter, cache: DrafterCache, slots, ctx_len, anchors, keys, temperature, embed, head_w):
+def draft(drafter: Drafter, cache: DrafterCache, slots, ctx_len, anchors, keys, temperature, embed, head_w,
+          context: int | None = None):
     """Draft one block for each of R requests (one backbone pass, then the sequential scan).
 
     Args:
@@ -386,11 +393,12 @@ def draft(drafter: Drafter, cache: DrafterCache, slots, ctx_len, anchors, keys, 
       ctx_len: int [R] committed tokens of each slot (= the anchor's position).
       anchors: int [R] anchor tokens; keys: [R] PRNG keys; temperature: float [].
       embed: [V, D] frozen target embedding; head_w: [D, W] frozen LM head over the draft vocabulary.
+      context: optional static bound >= every ctx_len: only cache positions below it are read.
     Returns:
       tokens int32 [R, G], probs float32 [R, G, W], confidence logits float32 [R, G].
     """
-    C = cache.k.shape[2]
-    ctx_k, ctx_v = cache.k[:, slots], cache.v[:, slots]  # [L, R, C, K, E]
+    C = cache.k.shape[2] if context is None else min(int(context), cache.k.shape[2])
+    ctx_k, ctx_v = cache.k[:, slots, :C], cache.v[:, slots, :C]  # [L, R, C, K, E]
     ctx_mask = (jnp.arange(C)[None, :] < ctx_len[:, None])[:, None, :]  # [R, 1, C]
     h = drafter.hidden(ctx_k, ctx_v, ctx_mask, anchors[:, None], ctx_len[:, None], embed)[:, 0]  # [R, G, D]
     return sample_block(drafter, h, anchors, keys, temperature, head_w)

@@ -1,0 +1,541 @@
+"""Batched speculative decoding engine: draft, confidence, schedule and verify, with continuous batching.
+
+A fixed number of request slots S share one target KV cache and one drafter context cache. Requests join
+free slots (chunked prefill), decode in rounds and leave on EOS or their token limit, so the batch changes
+every round. A round runs as two jitted programs with static shapes:
+
+1. ``draft_and_schedule`` (per row bucket R): the drafter's backbone pass and sequential sampling scan for
+   the active rows, calibrated confidences, and the scheduling policy -> verification lengths [R];
+2. ``verify_and_commit`` (per row bucket R, token bucket T and attention window): pack only the scheduled
+   tokens of every active row into one flat batch of T tokens, run the target once, accept with
+   `verify.speculative_accept` (or `greedy_accept` at temperature 0), commit the accepted prefix to the
+   target cache and the drafter's context cache, and emit tokens.
+
+Between the two the host reads one scalar, the batch size B, to pick the token bucket T (the shape of the
+second program); everything else stays on the device. The host only admits new requests and collects
+finished ones. Rows are the active slots moved to the front (a stable argsort of ``~active``) and padded to a
+power of two, so the drafter's cost follows the load, not the slot count.
+
+Policies (`parse_policy`): ``none`` (plain decoding, no drafter), ``fixed:K``, ``threshold:C`` (verify up to
+the first calibrated per-token confidence below C), ``dspark`` (Algorithm 1, first drop, on the SPS table)
+and ``dspark-async`` (capacity K by the greedy-path argmax over the confidences of two rounds earlier, then
+the top-K drafts by current survival). All are lossless: whether draft ``x_k`` is verified never depends on
+``x_k`` itself. The argmax over fresh confidences is deliberately not offered (spec appendix A).
+
+Randomness: every draw uses a key folded from (seed, request id, position), so a request's output does not
+depend on what else is in the batch.
+
+Axis legend: S slots, R rows of a round, G block, T packed tokens, V vocabulary, W draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections import deque
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax import calibration, scheduler, verify
+from dspark_jax.models import drafter as dr
+from dspark_jax.models.llama import (
+    CONTEXT_STEP,
+    LlamaModel,
+    bucket_for,
+    commit,
+    context_bucket,
+    forward_packed,
+    prefill_chunks,
+    prefill_prompt,
+)
+
+__all__ = ["Policy", "parse_policy", "POLICY_NAMES", "EngineConfig", "Engine", "RoundStats", "Completion"]
+
+POLICY_NAMES = ("none", "fixed:K", "threshold:C", "dspark", "dspark-async")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A scheduling policy (hashable: a static argument of the round programs)."""
+
+    kind: str  # none | fixed | threshold | dspark | dspark-async
+    k: int = 0
+    threshold: float = 0.0
+
+    @property
+    def drafts(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def needs_confidence(self) -> bool:
+        return self.kind in ("threshold", "dspark", "dspark-async")
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return f"fixed:{self.k}"
+        if self.kind == "threshold":
+            return f"threshold:{self.threshold:g}"
+        return self.kind
+
+
+def parse_policy(text: str) -> Policy:
+    """``none``, ``fixed:K`` (K >= 0), ``threshold:C`` (0 <= C <= 1), ``dspark`` or ``dspark-async``."""
+    text = str(text).strip()
+    if text in ("none", "dspark", "dspark-async"):
+        return Policy(text)
+    kind, _, arg = text.partition(":")
+    try:
+        if kind == "fixed":
+            k = int(arg)
+            if k < 0:
+                raise ValueError
+            return Policy("fixed", k=k)
+        if kind == "threshold":
+            c = float(arg)
+            if not 0.0 <= c <= 1.0:
+                raise ValueError
+            return Policy("threshold", threshold=c)
+    except ValueError:
+        pass
+    raise ValueError(f"policy {text!r}: expected one of {', '.join(POLICY_NAMES)} "
+                     f"(K an integer >= 0, C a number in [0, 1])")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    num_slots: int = 16
+    capacity: int = 1024
+    temperature: float = 0.0
+    seed: int = 0
+    prior_confidence: float = 0.7  # stale confidence of a request with no history yet (dspark-async)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class EngineState:
+    """Everything the rounds read and write, on the device."""
+
+    cache: Any  # target KVCache; lengths[s] = committed tokens of slot s (= the anchor's position)
+    dcache: Any  # DrafterCache or None
+    anchor: jax.Array  # int32 [S] last emitted token, not yet in the cache
+    active: jax.Array  # bool [S]
+    request: jax.Array  # int32 [S] request id (for the random keys)
+    generated: jax.Array  # int32 [S] tokens emitted so far
+    max_new: jax.Array  # int32 [S]
+    conf_hist: jax.Array  # float32 [2, S, G] calibrated confidences of the last two rounds (0 = latest)
+
+    def replace(self, **kw) -> "EngineState":
+        return dataclasses.replace(self, **kw)
+
+
+class DraftOut(NamedTuple):
+    tokens: jax.Array  # int32 [R, G]
+    probs: jax.Array  # float32 [R, G, W]
+    conf: jax.Array  # float32 [R, G] calibrated per-token confidences
+    lengths: jax.Array  # int32 [R] scheduled drafts
+    batch_tokens: jax.Array  # int32 []
+
+
+class RoundOut(NamedTuple):
+    emitted: jax.Array  # int32 [R, G + 1]
+    counts: jax.Array  # int32 [R] emitted tokens per row
+    finished: jax.Array  # bool [R]
+    accepted: jax.Array  # int32 [R] accepted drafts
+    new_lengths: jax.Array  # int32 [R] committed tokens after the round
+
+
+@dataclasses.dataclass
+class RoundStats:
+    """Counters of one round (host side)."""
+
+    active: int  # requests in the round
+    scheduled: np.ndarray  # drafts scheduled per request
+    accepted: np.ndarray  # drafts accepted per request
+    emitted: int  # tokens emitted by the round
+    batch_tokens: int  # verification batch B (anchors + scheduled drafts)
+    padded_tokens: int  # T, the bucket B was padded to
+    seconds: float  # wall time of the round (both programs)
+
+
+@dataclasses.dataclass
+class Completion:
+    request_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finished_by_stop: bool
+
+
+def _key(seed, stream: int, request, position):
+    """PRNG key per (seed, stream, request, position); vectorised over request/position arrays."""
+    base = jax.random.fold_in(jax.random.key(seed), stream)
+    return jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(base, r), p))(request, position)
+
+
+def _pow2(n: int, cap: int) -> int:
+    r = 1
+    while r < n:
+        r *= 2
+    return min(r, cap)
+
+
+class Engine:
+    """Speculative decoding over a Llama-family target with a DSpark drafter (or none).
+
+    Args:
+      target: the loaded target model.
+      drafter: the drafter module (None for the ``none`` policy only).
+      policy: a `Policy` or its text (`parse_policy`).
+      config: slots, capacity, temperature, seed.
+      sts_temperatures: [G] calibration temperatures for the confidence head (default: all ones).
+      sps: dense steps/s table [N] for the ``dspark`` policies (default: the shipped CPU table).
+    """
+
+    def __init__(self, target: LlamaModel, drafter: dr.Drafter | None, policy: Policy | str = "dspark",
+                 config: EngineConfig = EngineConfig(), *, sts_temperatures=None, sps=None,
+                 stop_ids: Sequence[int] | None = None):
+        self.target, self.cfg = target, config
+        self.policy = parse_policy(policy) if isinstance(policy, str) else policy
+        if self.policy.drafts and drafter is None:
+            raise ValueError(f"policy {self.policy} needs a drafter; only 'none' runs without one")
+        self.drafter = drafter if self.policy.drafts else None
+        if config.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {config.temperature}")
+        self.greedy = config.temperature == 0
+        S = config.num_slots
+        self.G = self.drafter.cfg.block if self.drafter is not None else 1
+        if stop_ids is None:
+            stop_ids = target.tokenizer.stop_ids if target.tokenizer is not None else ()
+        self.stop_ids = np.asarray(sorted(set(int(t) for t in stop_ids)) or [-1], np.int32)
+        if self.drafter is not None:
+            self.d_graph, self.d_state = nnx.split(self.drafter)
+            self.head_w = dr.draft_head_weights(self.drafter, target.weights.embed, target.weights.lm_head)
+            temps = np.ones(self.G, np.float32) if sts_temperatures is None else np.asarray(sts_temperatures, np.float32)
+            if temps.shape != (self.G,):
+                raise ValueError(f"sts_temperatures: expected {self.G} values (one per block position), got {temps.shape}")
+            self.temps = jnp.asarray(temps)
+            self.draft_vocab = None if self.drafter.cfg.draft_vocab == target.cfg.vocab_size else self.drafter.vocab_ids[...]
+        if self.policy.kind in ("dspark", "dspark-async"):
+            if sps is None:
+                from dspark_jax.sps import default_sps_table  # noqa: PLC0415  (optional asset)
+
+                sps = default_sps_table().to_dense()
+            self.sps = jnp.asarray(np.asarray(sps, np.float32))
+            if self.sps.ndim != 1 or not np.all(np.isfinite(np.asarray(self.sps))) or np.any(np.asarray(self.sps) <= 0):
+                raise ValueError("sps: expected a 1-D table of finite, positive steps/s")
+        else:
+            self.sps = jnp.ones((2,), jnp.float32)
+        self.state = self._init_state()
+        # host mirrors
+        self.slot_request = np.full(S, -1)
+        self.slot_length = np.zeros(S, np.int64)
+        self.requests: dict[int, Completion] = {}
+        self.pending: deque[tuple[int, list[int], int]] = deque()
+        self.next_id = 0
+        self.rounds: list[RoundStats] = []
+        self.on_token: Callable[[int, int], None] | None = None
+
+    # ------------------------------------------------------------------------------------------------ state
+    def _init_state(self) -> EngineState:
+        c, S = self.cfg, self.cfg.num_slots
+        cache = self.target.init_cache(S, c.capacity)
+        dcache = dr.init_drafter_cache(self.drafter.cfg, S, c.capacity) if self.drafter is not None else None
+        return EngineState(
+            cache=cache, dcache=dcache, anchor=jnp.zeros(S, jnp.int32), active=jnp.zeros(S, bool),
+            request=jnp.zeros(S, jnp.int32), generated=jnp.zeros(S, jnp.int32), max_new=jnp.zeros(S, jnp.int32),
+            conf_hist=jnp.full((2, S, self.G), c.prior_confidence, jnp.float32),
+        )
+
+    # ------------------------------------------------------------------------------------------------ requests
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int) -> int:
+        """Queue a request (chat template already applied); returns its id."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("prompt_ids: expected at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+        need = len(prompt_ids) + max_new_tokens + self.G + 1
+        if need > self.cfg.capacity:
+            raise ValueError(f"request needs {need} cache positions (prompt {len(prompt_ids)} + max_new_tokens "
+                             f"{max_new_tokens} + block {self.G + 1}) but the slot capacity is {self.cfg.capacity}")
+        rid = self.next_id
+        self.next_id += 1
+        self.requests[rid] = Completion(rid, prompt_ids, [], False)
+        self.pending.append((rid, prompt_ids, int(max_new_tokens)))
+        return rid
+
+    def _emit(self, rid: int, tokens) -> None:
+        out = self.requests[rid].output_ids
+        for t in tokens:
+            out.append(int(t))
+            if self.on_token is not None:
+                self.on_token(rid, int(t))
+
+    def _admit(self) -> None:
+        """Prefill queued requests into free slots; emit their first token."""
+        free = [s for s in range(self.cfg.num_slots) if self.slot_request[s] < 0]
+        while free and self.pending:
+            s = free[0]
+            rid, prompt, max_new = self.pending.popleft()
+            first, done = self._prefill(s, rid, prompt, max_new)
+            self._emit(rid, [first])
+            if done:
+                self.requests[rid].finished_by_stop = bool(np.isin(first, self.stop_ids))
+                continue
+            free.pop(0)
+            self.slot_request[s] = rid
+            self.slot_length[s] = len(prompt)
+
+    def _prefill(self, slot: int, rid: int, prompt: list[int], max_new: int) -> tuple[int, bool]:
+        st = self.state
+        logits, extras, cache = prefill_prompt(self.target.weights, st.cache, prompt, slot, self.target.cfg,
+                                               return_extras=self.drafter is not None)
+        dcache = st.dcache
+        if self.drafter is not None:
+            dcache = _write_prompt_context(self.d_graph, self.d_state, dcache, extras.taps, jnp.int32(slot))
+        first = int(_sample_first(logits, self.cfg.seed, jnp.int32(rid), jnp.int32(len(prompt)),
+                                  jnp.float32(self.cfg.temperature), self.greedy))
+        done = max_new <= 1 or bool(np.isin(first, self.stop_ids))
+        self.state = _admit_slot(st.replace(cache=cache, dcache=dcache), jnp.int32(slot), jnp.int32(rid),
+                                 jnp.int32(first), jnp.int32(max_new), jnp.bool_(not done),
+                                 jnp.float32(self.cfg.prior_confidence))
+        return first, done
+
+    # ------------------------------------------------------------------------------------------------ rounds
+    def step(self) -> RoundStats | None:
+        """Admit what fits, then run one round over the active requests. None when idle."""
+        self._admit()
+        active_slots = np.flatnonzero(self.slot_request >= 0)
+        n = len(active_slots)
+        if n == 0:
+            return None
+        t0 = time.perf_counter()
+        S, G = self.cfg.num_slots, self.G
+        R = _pow2(n, S)
+        longest = int(self.slot_length[active_slots].max())
+        window = context_bucket(longest + G + 1, self.cfg.capacity)
+        temp = jnp.float32(self.cfg.temperature)
+        drafting = self.drafter is not None
+        if drafting:
+            d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed, self.head_w,
+                                    self.temps, self.sps, temp, seed=self.cfg.seed, capacity=self.cfg.capacity, R=R,
+                                    policy=self.policy, greedy=self.greedy,
+                                    context=context_bucket(longest, self.cfg.capacity))
+            B = int(d.batch_tokens)  # the one value the host needs: it picks the token bucket
+        else:
+            d, B = None, n
+        T = bucket_for(B)
+        self.state, out = _verify_and_commit(
+            self.target.weights, self.state, d, self.d_graph if drafting else None,
+            self.d_state if drafting else None, self.draft_vocab if drafting else None, temp,
+            jnp.asarray(self.stop_ids), seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G, window=window,
+            greedy=self.greedy, drafting=drafting)
+        emitted, counts, finished, accepted, new_len = jax.device_get(
+            (out.emitted, out.counts, out.finished, out.accepted, out.new_lengths))
+        lengths = np.asarray(d.lengths)[:n] if d is not None else np.zeros(n, np.int64)
+        rows = _rows_host(self.slot_request >= 0)[:n]
+        total = 0
+        for i, s in enumerate(rows):
+            rid = int(self.slot_request[s])
+            self._emit(rid, emitted[i, : counts[i]])
+            total += int(counts[i])
+            self.slot_length[s] = new_len[i]
+            if finished[i]:
+                last = emitted[i, counts[i] - 1]
+                self.requests[rid].finished_by_stop = bool(np.isin(last, self.stop_ids))
+                self.slot_request[s] = -1
+        stats = RoundStats(active=n, scheduled=lengths.astype(np.int64), accepted=accepted[:n].astype(np.int64),
+                           emitted=total, batch_tokens=B, padded_tokens=T, seconds=time.perf_counter() - t0)
+        self.rounds.append(stats)
+        return stats
+
+    def idle(self) -> bool:
+        return not self.pending and not (self.slot_request >= 0).any()
+
+    def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Completion]:
+        """Submit every prompt, run until all finish, return completions in order."""
+        ids = [self.submit(p, max_new_tokens) for p in prompts]
+        while not self.idle():
+            self.step()
+        return [self.requests[i] for i in ids]
+
+    # ------------------------------------------------------------------------------------------------ summary
+    def summary(self) -> dict[str, float]:
+        """Totals over the rounds run so far (for the generate command and the benchmark)."""
+        if not self.rounds:
+            return {"rounds": 0}
+        sched = np.concatenate([r.scheduled for r in self.rounds])
+        acc = np.concatenate([r.accepted for r in self.rounds])
+        secs = sum(r.seconds for r in self.rounds)
+        emitted = sum(r.emitted for r in self.rounds)
+        return {
+            "rounds": len(self.rounds),
+            "round_seconds": secs,
+            "emitted_tokens": emitted,
+            "tokens_per_s_rounds": emitted / secs if secs > 0 else float("nan"),
+            "mean_active": float(np.mean([r.active for r in self.rounds])),
+            "drafts_per_request": float(sched.mean()),
+            "accept_len": float(np.mean(acc + 1)),
+            "rejected_share": float(1 - acc.sum() / sched.sum()) if sched.sum() > 0 else 0.0,
+            "mean_batch_tokens": float(np.mean([r.batch_tokens for r in self.rounds])),
+        }
+
+
+def _rows_host(active: np.ndarray) -> np.ndarray:
+    """Host twin of the device row order: active slots first (ascending), then the others."""
+    return np.argsort(~active, kind="stable")
+
+
+# ---------------------------------------------------------------------------------------------------- jitted parts
+
+
+@functools.partial(jax.jit, donate_argnames=("dcache",))
+def _write_prompt_context_impl(graph, state, dcache, taps, slot):
+    drafter = nnx.merge(graph, state)
+    n = taps.shape[0]
+    return dr.write_context(drafter, dcache, taps, jnp.full((n,), slot, jnp.int32), jnp.arange(n, dtype=jnp.int32),
+                            jnp.ones((n,), bool))
+
+
+def _write_prompt_context(graph, state, dcache, taps, slot):
+    # Pad the prompt's taps to a multiple of the context step so few shapes compile.
+    n = taps.shape[0]
+    size = -(-n // CONTEXT_STEP) * CONTEXT_STEP
+    padded = jnp.zeros((size, *taps.shape[1:]), taps.dtype).at[:n].set(taps)
+    drafter_dcache = _write_prompt_context_impl(graph, state, dcache, padded, slot)
+    return drafter_dcache
+
+
+@functools.partial(jax.jit, static_argnames=("greedy",))
+def _sample_first(logits, seed, request, position, temperature, greedy):
+    """The first token after prefill: argmax, or a draw from softmax(logits / T) with the request's key."""
+    if greedy:
+        return jnp.argmax(logits).astype(jnp.int32)
+    key = _key(seed, 0, request[None], position[None])[0]
+    return jax.random.categorical(key, logits.astype(jnp.float32) / temperature).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _admit_slot(state, slot, request, first, max_new, live, prior):
+    return state.replace(
+        anchor=state.anchor.at[slot].set(first),
+        active=state.active.at[slot].set(live),
+        request=state.request.at[slot].set(request),
+        generated=state.generated.at[slot].set(1),
+        max_new=state.max_new.at[slot].set(max_new),
+        conf_hist=state.conf_hist.at[:, slot].set(prior),
+    )
+
+
+def _device_rows(active, R):
+    """Active slots first (stable), the first R of them; row_valid marks real requests."""
+    rows = jnp.argsort(~active, stable=True)[:R].astype(jnp.int32)
+    return rows, active[rows]
+
+
+def _policy_lengths(policy: Policy, conf, hist, sps, row_valid, G):
+    """Verification lengths [R] from calibrated confidences [R, G] (before caps)."""
+    if policy.kind == "fixed":
+        return jnp.full(row_valid.shape, min(policy.k, G), jnp.int32)
+    if policy.kind == "threshold":
+        return verify.leading_true(conf >= policy.threshold, jnp.full(row_valid.shape, G, jnp.int32))
+    if policy.kind == "dspark":
+        return scheduler.schedule(conf, sps, active=row_valid).lengths
+    if policy.kind == "dspark-async":
+        k = scheduler.capacity(hist, sps, active=row_valid)
+        return scheduler.top_k_lengths(conf, k, active=row_valid)
+    raise ValueError(f"policy {policy} does not draft")
+
+
+@functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity"))
+def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, temperature, *, seed: int,
+                        capacity: int, R: int, policy: Policy, greedy: bool, context: int) -> DraftOut:
+    """Draft a block for the first R rows, compute calibrated confidences, apply the policy."""
+    drafter = nnx.merge(graph, dstate)
+    G = drafter.cfg.block
+    rows, row_valid = _device_rows(state.active, R)
+    ctx_len = state.cache.lengths[rows]
+    keys = _key(seed, 1, state.request[rows], ctx_len)
+    t = jnp.float32(0.0) if greedy else temperature
+    tokens, probs, conf_logits = dr.draft(drafter, state.dcache, rows, ctx_len, state.anchor[rows], keys, t, embed,
+                                          head_w, context=context)
+    conf = calibration.apply_sts(conf_logits, temps)  # [R, G]
+    hist = state.conf_hist[1][rows]
+    lengths = jnp.where(row_valid, _policy_lengths(policy, conf, hist, sps, row_valid, G), 0)
+    # Caps that never look at the drafts: the request's remaining budget and the slot's capacity.
+    remaining = state.max_new[rows] - state.generated[rows]
+    lengths = jnp.clip(lengths, 0, jnp.minimum(remaining - 1, capacity - ctx_len - 1))
+    lengths = jnp.where(row_valid, lengths, 0).astype(jnp.int32)
+    batch = jnp.sum(jnp.where(row_valid, 1 + lengths, 0)).astype(jnp.int32)
+    return DraftOut(tokens, probs, conf, lengths, batch)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "R", "T", "G", "window", "greedy", "drafting", "seed"),
+                   donate_argnames=("state",))
+def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, graph, dstate, draft_vocab, temperature,
+                       stop_ids, *, seed: int, cfg, R: int, T: int, G: int, window: int, greedy: bool,
+                       drafting: bool) -> tuple[EngineState, RoundOut]:
+    """Pack the scheduled tokens, verify them with one target pass, accept, commit, emit."""
+    rows, row_valid = _device_rows(state.active, R)
+    ctx_len = state.cache.lengths[rows]  # [R] anchor positions
+    anchors = state.anchor[rows]
+    if drafting:
+        drafts, lengths = d.tokens, d.lengths
+    else:
+        drafts, lengths = jnp.zeros((R, G), jnp.int32), jnp.zeros((R,), jnp.int32)
+    # ---- pack: row r contributes [anchor, x1..x_l] at positions ctx_len[r] + j
+    n_tok = jnp.where(row_valid, 1 + lengths, 0)  # [R]
+    ends = jnp.cumsum(n_tok)
+    starts = ends - n_tok
+    t = jnp.arange(T, dtype=jnp.int32)
+    tok_row = jnp.clip(jnp.searchsorted(ends, t, side="right"), 0, R - 1).astype(jnp.int32)  # [T]
+    col = t - starts[tok_row]
+    valid = t < ends[-1]
+    seq = jnp.concatenate([anchors[:, None], drafts], axis=1)  # [R, G + 1]
+    tokens = seq[tok_row, jnp.clip(col, 0, G)]
+    slots = rows[tok_row]
+    positions = jnp.where(valid, ctx_len[tok_row] + col, 0)
+    logits, extras, cache = forward_packed(weights, state.cache, tokens, slots, positions, valid, cfg,
+                                           G + 1 if drafting else 1, rows, window)
+    # ---- unpack to rows: logits of [anchor, x1..x_G] -> [R, G + 1, V]
+    idx = jnp.clip(starts[:, None] + jnp.arange(G + 1)[None, :], 0, T - 1)
+    row_logits = logits[idx]
+    if greedy:
+        n_acc, nxt = verify.greedy_accept(drafts, row_logits, lengths)
+    else:
+        target_probs = jax.nn.softmax(row_logits / temperature, axis=-1)
+        keys = _key(seed, 2, state.request[rows], ctx_len)
+        probs = d.probs if drafting else jnp.zeros((R, G, 1), jnp.float32)
+        vocab = draft_vocab if drafting else jnp.zeros((1,), jnp.int32)
+        n_acc, nxt = verify.speculative_accept(keys, drafts, probs, target_probs, lengths, vocab)
+    # ---- emit [x1..x_n, next], cut at the first stop token and at the request's budget
+    emitted = jnp.where(jnp.arange(G + 1)[None, :] < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
+    emitted = emitted.at[jnp.arange(R), n_acc].set(nxt)
+    is_stop = jnp.isin(emitted, stop_ids) & (jnp.arange(G + 1)[None, :] <= n_acc[:, None])
+    first_stop = jnp.where(is_stop.any(axis=1), jnp.argmax(is_stop, axis=1), G + 1)
+    remaining = state.max_new[rows] - state.generated[rows]
+    counts = jnp.minimum(jnp.minimum(n_acc + 1, first_stop + 1), remaining)
+    counts = jnp.where(row_valid, counts, 0).astype(jnp.int32)
+    finished = row_valid & ((first_stop < counts) | (counts >= remaining))
+    # ---- commit: the anchor and the accepted drafts enter the cache; the next token is the new anchor
+    new_len = ctx_len + 1 + n_acc
+    cache = commit(cache, jnp.where(row_valid, rows, cache.num_slots), new_len)
+    dcache = state.dcache
+    if drafting:
+        drafter = nnx.merge(graph, dstate)
+        dcache = dr.write_context(drafter, dcache, extras.taps, slots, positions, valid)
+    write = jnp.where(row_valid, rows, state.anchor.shape[0])  # padding rows write nothing
+    hist = state.conf_hist
+    if drafting:
+        hist = hist.at[1].set(hist[0]).at[0, write].set(d.conf, mode="drop")
+    new_state = state.replace(
+        cache=cache, dcache=dcache, conf_hist=hist,
+        anchor=state.anchor.at[write].set(nxt, mode="drop"),
+        generated=state.generated.at[write].add(counts, mode="drop"),
+        active=state.active.at[write].set(~finished, mode="drop"),
+    )
+    return new_state, RoundOut(emitted, counts, finished, n_acc.astype(jnp.int32), new_len.astype(jnp.int32))
