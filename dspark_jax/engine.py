@@ -50,8 +50,8 @@ from dspark_jax.models.llama import (
     commit,
     context_bucket,
     forward_packed,
+    prefill,
     prefill_chunks,
-    prefill_prompt,
 )
 
 __all__ = ["Policy", "parse_policy", "POLICY_NAMES", "EngineConfig", "Engine", "RoundStats", "Completion"]
@@ -291,19 +291,70 @@ class Engine:
             self.slot_length[s] = len(prompt)
 
     def _prefill(self, slot: int, rid: int, prompt: list[int], max_new: int) -> tuple[int, bool]:
+        """Chunked prefill of the prompt into ``slot`` (target cache and drafter context); first token."""
         st = self.state
-        logits, extras, cache = prefill_prompt(self.target.weights, st.cache, prompt, slot, self.target.cfg,
-                                               return_extras=self.drafter is not None)
-        dcache = st.dcache
-        if self.drafter is not None:
-            dcache = _write_prompt_context(self.d_graph, self.d_state, dcache, extras.taps, jnp.int32(slot))
-        first = int(_sample_first(logits, self.cfg.seed, jnp.int32(rid), jnp.int32(len(prompt)),
-                                  jnp.float32(self.cfg.temperature), self.greedy))
-        done = max_new <= 1 or bool(np.isin(first, self.stop_ids))
+        cache, dcache = st.cache, st.dcache
+        ids = np.asarray(prompt, np.int32)
+        done = 0
+        for size, take in prefill_chunks(len(ids)):
+            chunk = np.zeros(size, np.int32)
+            chunk[:take] = ids[done : done + take]
+            logits, extras, cache = prefill(self.target.weights, cache, chunk, jnp.int32(slot), jnp.int32(done),
+                                            jnp.int32(take), self.target.cfg)
+            if self.drafter is not None:
+                dcache = _write_chunk_context(self.d_graph, self.d_state, dcache, extras.taps, jnp.int32(slot),
+                                              jnp.int32(done), jnp.int32(take))
+            done += take
+        first = int(_sample_first(logits, jnp.int32(rid), jnp.int32(len(prompt)), jnp.float32(self.cfg.temperature),
+                                  seed=self.cfg.seed, greedy=self.greedy))
+        finished = max_new <= 1 or bool(np.isin(first, self.stop_ids))
         self.state = _admit_slot(st.replace(cache=cache, dcache=dcache), jnp.int32(slot), jnp.int32(rid),
-                                 jnp.int32(first), jnp.int32(max_new), jnp.bool_(not done),
+                                 jnp.int32(first), jnp.int32(max_new), jnp.bool_(not finished),
                                  jnp.float32(self.cfg.prior_confidence))
-        return first, done
+        return first, finished
+
+    def warm_up(self, max_prompt_tokens: int) -> int:
+        """Compile every program a run with prompts up to ``max_prompt_tokens`` can need (all row buckets,
+        token buckets and attention windows), so that no round compiles afterwards. Returns the number of
+        round shapes compiled. Leaves the engine's requests and counters untouched."""
+        if not self.idle():
+            raise ValueError("warm_up: the engine must be idle")
+        S, G, cap = self.cfg.num_slots, self.G, self.cfg.capacity
+        # prefill chunks and the first-token sampler, on slot 0 (then released)
+        for size in sorted({size for n in range(1, max_prompt_tokens + 1) for size, _ in prefill_chunks(n)}):
+            self._prefill(0, 0, [1] * min(size, max_prompt_tokens), 1)
+        self.state = _admit_slot(self.state, jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.int32(1), jnp.bool_(False),
+                                 jnp.float32(self.cfg.prior_confidence))
+        temp = jnp.float32(self.cfg.temperature)
+        drafting = self.drafter is not None
+        shapes = 0
+        longest = range(1, cap + 1)  # contexts grow during decoding: every window up to the capacity
+        windows = sorted({context_bucket(n + G + 1, cap) for n in longest})
+        draft_windows = sorted({context_bucket(n, cap) for n in longest})
+        R = 1
+        while True:
+            if drafting:
+                for w in draft_windows:
+                    d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed,
+                                            self.head_w, self.temps, self.sps, temp, seed=self.cfg.seed, capacity=cap,
+                                            R=R, policy=self.policy, greedy=self.greedy, context=w)
+            else:
+                d = None
+            lo = R // 2 + 1
+            hi = R * (G + 1) if drafting else R
+            for T in sorted({bucket_for(b) for b in range(lo, hi + 1)}):
+                for w in windows:
+                    self.state, out = _verify_and_commit(
+                        self.target.weights, self.state, d, self.d_graph if drafting else None,
+                        self.d_state if drafting else None, self.draft_vocab if drafting else None, temp,
+                        jnp.asarray(self.stop_ids), seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G,
+                        window=w, greedy=self.greedy, drafting=drafting)
+                    shapes += 1
+            if R >= S:
+                break
+            R = min(2 * R, S)
+        jax.block_until_ready(self.state)
+        return shapes
 
     # ------------------------------------------------------------------------------------------------ rounds
     def step(self) -> RoundStats | None:
@@ -394,24 +445,16 @@ def _rows_host(active: np.ndarray) -> np.ndarray:
 
 
 @functools.partial(jax.jit, donate_argnames=("dcache",))
-def _write_prompt_context_impl(graph, state, dcache, taps, slot):
-    drafter = nnx.merge(graph, state)
+def _write_chunk_context(graph, dstate, dcache, taps, slot, start, n_valid):
+    """Drafter context K/V of one prefill chunk: taps [P, M, D] at positions start.. of ``slot``."""
+    drafter = nnx.merge(graph, dstate)
     n = taps.shape[0]
-    return dr.write_context(drafter, dcache, taps, jnp.full((n,), slot, jnp.int32), jnp.arange(n, dtype=jnp.int32),
-                            jnp.ones((n,), bool))
+    idx = jnp.arange(n, dtype=jnp.int32)
+    return dr.write_context(drafter, dcache, taps, jnp.full((n,), slot, jnp.int32), start + idx, idx < n_valid)
 
 
-def _write_prompt_context(graph, state, dcache, taps, slot):
-    # Pad the prompt's taps to a multiple of the context step so few shapes compile.
-    n = taps.shape[0]
-    size = -(-n // CONTEXT_STEP) * CONTEXT_STEP
-    padded = jnp.zeros((size, *taps.shape[1:]), taps.dtype).at[:n].set(taps)
-    drafter_dcache = _write_prompt_context_impl(graph, state, dcache, padded, slot)
-    return drafter_dcache
-
-
-@functools.partial(jax.jit, static_argnames=("greedy",))
-def _sample_first(logits, seed, request, position, temperature, greedy):
+@functools.partial(jax.jit, static_argnames=("seed", "greedy"))
+def _sample_first(logits, request, position, temperature, *, seed, greedy):
     """The first token after prefill: argmax, or a draw from softmax(logits / T) with the request's key."""
     if greedy:
         return jnp.argmax(logits).astype(jnp.int32)

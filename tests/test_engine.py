@@ -1,0 +1,191 @@
+"""The engine: lossless greedy and sampled decoding for every policy, continuous batching, no recompiles."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax import engine as eng
+from dspark_jax import scheduler, verify
+from dspark_jax.decoding import plain_generate
+from dspark_jax.models import drafter as dr
+from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
+from tests.helpers import count_compilations
+
+POLICIES = ["none", "fixed:3", "fixed:0", "threshold:0.3", "dspark", "dspark-async"]
+SPS = np.linspace(10.0, 1.0, 48).astype(np.float32)  # falls with the batch: the scheduler has a real trade-off
+
+
+def make_model(vocab=64, scale=0.3, seed=0):
+    cfg = LlamaConfig.tiny(vocab_size=vocab)
+    return LlamaModel(cfg, init_random_weights(cfg, jax.random.key(seed), scale=scale), None)
+
+
+def make_drafter(model, head="markov", confidence=True, seed=0, block=4):
+    cfg = dr.DrafterConfig.for_target(model.cfg, n_layers=1, ffn_dim=32, rank=8, block=block, head=head,
+                                      confidence=confidence)
+    d = dr.Drafter(cfg, rngs=nnx.Rngs(seed))
+    if head != "none":
+        d.w2.kernel[...] = 0.5 * jax.random.normal(jax.random.key(seed + 3), d.w2.kernel[...].shape)
+    return d
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+@pytest.fixture(scope="module")
+def drafter(model):
+    return make_drafter(model)
+
+
+def prompts(n, seed=0, vocab=64):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, size=rng.integers(2, 18)).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_greedy_equals_plain_decoding_with_joins_and_leaves(model, drafter, policy):
+    ps = prompts(9)
+    budgets = [3, 12, 7, 1, 15, 9, 4, 12, 2]  # requests leave at different rounds; later ones join freed slots
+    stop = [5]
+    ref = [plain_generate(model, [p], b, 0.0, num_slots=1, stop_ids=stop, capacity=64)[0][0].output_ids
+           for p, b in zip(ps, budgets)]
+    e = eng.Engine(model, drafter, policy, eng.EngineConfig(num_slots=3, capacity=64), sps=SPS, stop_ids=stop)
+    ids = [e.submit(p, b) for p, b in zip(ps, budgets)]
+    while not e.idle():
+        e.step()
+    for i, r in zip(ids, ref):
+        assert e.requests[i].output_ids == r
+    assert max(r.active for r in e.rounds) == 3 and min(r.active for r in e.rounds) < 3
+
+
+def test_dflash_drafter_without_confidence_head_is_lossless(model):
+    d = make_drafter(model, head="none", confidence=False)
+    ps = prompts(4, seed=3)
+    ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=2, stop_ids=[], capacity=64)
+    for policy in ("fixed:4", "dspark"):
+        e = eng.Engine(model, d, policy, eng.EngineConfig(num_slots=2, capacity=64), sps=SPS, stop_ids=[])
+        assert [c.output_ids for c in e.run(ps, 10)] == [r.output_ids for r in ref]
+
+
+def exact_joint(model, prompt, m, vocab):
+    """Exact law of the first m generated tokens at temperature 1, by enumeration."""
+    law = np.zeros((vocab,) * m)
+    probs = {}
+    for n in range(m):
+        for prefix in itertools.product(range(vocab), repeat=n):
+            logits = np.asarray(model.score(list(prompt) + list(prefix)))[-1]
+            p = np.exp(logits - logits.max())
+            probs[prefix] = p / p.sum()
+    for z in itertools.product(range(vocab), repeat=m):
+        law[z] = np.prod([probs[z[:i]][z[i]] for i in range(m)])
+    return law
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    m = make_model(vocab=4, scale=0.15, seed=1)
+    return m, make_drafter(m, seed=2, block=3), [1, 2, 3, 1]
+
+
+@pytest.mark.parametrize("policy", ["none", "fixed:2", "threshold:0.3", "dspark", "dspark-async"])
+def test_sampled_output_follows_the_target(small_vocab, policy):
+    model, d, prompt = small_vocab
+    m, n_req = 3, 1500
+    law = exact_joint(model, prompt, m, 4)
+    e = eng.Engine(model, d, policy, eng.EngineConfig(num_slots=16, capacity=32, temperature=1.0, seed=11),
+                   sps=np.linspace(10, 4, 64).astype(np.float32), stop_ids=[])
+    out = e.run([prompt] * n_req, m)  # every request has its own random stream
+    counts = np.zeros_like(law)
+    for c in out:
+        counts[tuple(c.output_ids)] += 1
+    expected = law * n_req
+    big = expected >= 5
+    chi2 = (((counts - expected) ** 2)[big] / expected[big]).sum()
+    small_obs, small_exp = counts[~big].sum(), expected[~big].sum()
+    if small_exp > 0:
+        chi2 += (small_obs - small_exp) ** 2 / small_exp
+    dof = int(big.sum()) + (small_exp > 0) - 1
+    # chi-square critical value at p = 0.001 (Wilson-Hilferty approximation)
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < crit, (chi2, crit, dof)
+    if policy != "none":
+        assert e.summary()["drafts_per_request"] > 0
+
+
+def test_only_lossless_policies_are_offered():
+    for text in ("argmax", "dspark-argmax", "fixed:-1", "threshold:2", "fixed:x", "greedy"):
+        with pytest.raises(ValueError, match="expected one of"):
+            eng.parse_policy(text)
+    assert [str(eng.parse_policy(p)) for p in POLICIES] == POLICIES
+
+
+def test_appendix_a_through_the_policy_layer():
+    """Spec appendix A: an argmax over fresh confidences biases the output; the engine's policies do not."""
+    sps = np.array([1.0, 1.0, 0.5, 0.45], np.float32)
+    p_t, p_d = np.array([0.7, 0.3]), np.array([0.5, 0.5])
+
+    def first_token_law(lengths_fn):
+        law = 0.0
+        for x1 in (0, 1):
+            conf = jnp.array([[0.8, 0.9 if x1 == 0 else 0.0]])
+            lengths = lengths_fn(conf)
+            dp = jnp.array([[[0.5, 0.5], [0.6, 0.4]]])
+            tp = jnp.array([[p_t, [0.5, 0.5], [0.5, 0.5]]])
+            acc = float(verify.acceptance_probs(jnp.array([[x1, 0]]), dp, tp)[0, 0])
+            nxt = np.asarray(verify.next_token_probs(dp, tp, jnp.array([0]), lengths))[0]
+            verified = int(lengths[0]) >= 1
+            law += p_d[x1] * ((acc * (x1 == 0) if verified else 0.0) + (1 - acc if verified else 1.0) * nxt[0])
+        return law
+
+    valid = jnp.array([True])
+    hist = jnp.array([[0.8, 0.9]])
+    for policy in ("dspark", "dspark-async", "threshold:0.85", "fixed:1"):
+        pol = eng.parse_policy(policy)
+        law = first_token_law(lambda c: eng._policy_lengths(pol, c, hist, jnp.asarray(sps), valid, 2))
+        np.testing.assert_allclose(law, 0.7, atol=1e-6)
+    unsafe = first_token_law(lambda c: scheduler.schedule(c, jnp.asarray(sps), stop="argmax").lengths)
+    np.testing.assert_allclose(unsafe, 0.85, atol=1e-6)
+
+
+def test_no_recompilation_after_warm_up(model, drafter):
+    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64), sps=SPS, stop_ids=[5])
+    e.warm_up(max_prompt_tokens=20)
+    with count_compilations() as n:
+        e.run(prompts(7, seed=5), 9)  # loads of 1..4 requests, varying scheduled tokens
+    assert n() == 0
+    assert len({r.active for r in e.rounds}) > 1 and len({r.padded_tokens for r in e.rounds}) > 1
+
+
+def test_stream_of_many_short_requests(model, drafter):
+    e = eng.Engine(model, drafter, "dspark-async", eng.EngineConfig(num_slots=8, capacity=48), sps=SPS, stop_ids=[5])
+    rng = np.random.default_rng(9)
+    ps = prompts(200, seed=9)
+    budgets = rng.integers(1, 6, size=200)
+    ids = [e.submit(p, int(b)) for p, b in zip(ps, budgets)]
+    assert len(set(ids)) == 200
+    while not e.idle():
+        e.step()
+    for i, b in zip(ids, budgets):
+        c = e.requests[i]
+        assert 1 <= len(c.output_ids) <= b
+        assert c.finished_by_stop == (c.output_ids[-1] == 5)
+        assert c.finished_by_stop or len(c.output_ids) == b
+        assert 5 not in c.output_ids[:-1]
+
+
+def test_bad_input_is_rejected(model, drafter):
+    with pytest.raises(ValueError, match="needs a drafter"):
+        eng.Engine(model, None, "dspark", sps=SPS)
+    e = eng.Engine(model, drafter, "fixed:2", eng.EngineConfig(num_slots=2, capacity=32), stop_ids=[])
+    with pytest.raises(ValueError, match="capacity is 32"):
+        e.submit(list(range(1, 30)), 5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        e.submit([1, 2], 0)
+    with pytest.raises(ValueError, match="sts_temperatures"):
+        eng.Engine(model, drafter, "fixed:2", sts_temperatures=[1.0, 2.0])
