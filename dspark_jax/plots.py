@@ -68,3 +68,71 @@ def plot_reliability(bins: Sequence[dict], out_png: str | os.PathLike, title: st
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
     return Path(out_png)
+
+
+def _log2_ticks(ax, values) -> None:
+    """A log2 x axis labelled with the values themselves."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([int(v) for v in values], [str(int(v)) for v in values])
+    ax.minorticks_off()
+
+
+def plot_sps(table, out_png: str | os.PathLike, title: str = "") -> Path:
+    """An SPS table (``dspark_jax.sps.SPSTable``): rounds/s and verified tokens/s against the batch B, one
+    line per context length (with ``realistic_rows(B)`` requests, the draft cost included); the draft cost
+    against the number of requests R; and the verification time against B for each row count at the
+    reference context (how many requests change the cost at the same B). A table without a cost model
+    gets the first panels from its points only."""
+    plt = _plt()
+    cm = table.cost_model
+    meta = table.metadata
+    panels = 2 if cm is None else 4
+    fig, ax = plt.subplots(1, panels, figsize=(4.5 * panels, 4))
+    if cm is None:
+        curves = {meta.context_length: (table.batch_tokens, table.steps_per_s)}
+    else:
+        curves = {}
+        for L in cm.context_lengths:
+            c = cm.curve(L)
+            curves[L] = (c["batch_tokens"], 1.0 / c["step_s"])
+    for L, (b, sps) in curves.items():
+        ax[0].plot(b, sps, "o-", label=f"L = {L}")
+        ax[1].plot(b, b * sps, "o-", label=f"L = {L}")
+    for a, name in ((ax[0], "rounds/s (draft + verify)"), (ax[1], "verified tokens/s (B x rounds/s)")):
+        _log2_ticks(a, next(iter(curves.values()))[0])
+        a.set_xlabel("verification tokens B")
+        a.set_title(name)
+        a.legend(title="context per request", fontsize=8)
+    if cm is not None:
+        rows = np.asarray(cm.rows)
+        for c, L in enumerate(cm.context_lengths):
+            ax[2].plot(rows, 1e3 * np.asarray(cm.draft_s[c]), "o-", label=f"L = {L}")
+        _log2_ticks(ax[2], rows)
+        ax[2].set_xlabel("requests R (row bucket)")
+        ax[2].set_ylabel("ms")
+        ax[2].set_title("draft cost per round")
+        ax[2].legend(fontsize=8)
+        verify, _ = cm.filled_verify()
+        measured = cm.measured
+        c = cm.context_lengths.index(meta.context_length) if meta.context_length in cm.context_lengths else 0
+        b = np.asarray(cm.batch_tokens)
+        for r, R in enumerate(cm.rows):
+            keep = measured[c, r]
+            if keep.any():
+                ax[3].plot(b[keep], 1e3 * verify[c, r][keep], "o-", label=f"R = {R}")
+        _log2_ticks(ax[3], b)
+        ax[3].set_yscale("log")
+        from matplotlib.ticker import FormatStrFormatter
+
+        ax[3].yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax[3].yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+        ax[3].set_xlabel("verification tokens B (bucket)")
+        ax[3].set_ylabel("ms")
+        ax[3].set_title(f"verification, measured cells, L = {cm.context_lengths[c]}")
+        ax[3].legend(fontsize=7, ncol=2)
+    sub = f"{meta.model}, {meta.dtype}, {meta.backend} ({meta.device_kind}), {meta.date}"
+    fig.suptitle(f"{title}\n{sub}" if title else sub)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return Path(out_png)

@@ -14,12 +14,28 @@ turns the sparse measurements into that array:
   the scheduler's path jagged.
 
 The dense table ends at the largest measured batch: larger batches are infeasible for the scheduler.
+
+The points are the simple case, one curve ``SPS(B)``. A table may also hold a :class:`CostModel`, the
+cost of a whole round measured on a grid (spec section 3, "Cost model")::
+
+    step_time(R, B, L) = draft(R, W(L)) + verify(R, bucket(B), W(L))
+
+with ``R`` the active requests (charged at the smallest measured row count ``>= R``, the engine's row
+bucket), ``B`` the verification tokens, ``L`` the longest context held by a request and
+``W(L) = ceil((L + G + 1) / step) * step`` the attention window the engine compiles. Between measured
+windows the step time is linear in ``W`` (attention reads ``R x W`` positions); beyond the largest it
+is extrapolated along the last segment (never downwards), below the smallest it is clamped.
+:meth:`SPSTable.sps_for` gives the dense array for one ``(R, L)``; :func:`sps_from_cost` is the same
+inside ``jit`` with ``R`` and ``L`` as arrays, so an engine rebuilds the table every round without
+compiling again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
+import importlib.resources
 import json
 import math
 import os
@@ -28,13 +44,65 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-__all__ = ["SPSPoint", "SPSMetadata", "SPSTable", "INTERPOLATIONS", "atomic_write_text"]
+__all__ = [
+    "SPSPoint",
+    "SPSMetadata",
+    "SPSTable",
+    "CostModel",
+    "CostArrays",
+    "INTERPOLATIONS",
+    "DEFAULT_TABLE",
+    "atomic_write_text",
+    "check_writable",
+    "context_window",
+    "realistic_rows",
+    "sps_from_cost",
+    "load_sps_table",
+    "default_sps_table",
+]
 
 FORMAT = "dspark-sps"
 VERSION = 1
 INTERPOLATIONS = ("linear", "ceil")
+# The packaged table measured on a CPU for SmolLM2-135M (see the README, "SPS profiling (measured)").
+DEFAULT_TABLE = "assets/sps/cpu_smollm2_135m.json"
+
+
+def _interpolate(xs: np.ndarray, ts: np.ndarray, b: np.ndarray, interpolation: str) -> np.ndarray:
+    """Step times ``ts`` measured at increasing ``xs``, read at ``b``: linear (constant below the first
+    point) or ceil (the next measured point; the last one beyond it)."""
+    if interpolation == "linear":
+        return np.interp(b, xs, ts)
+    return ts[np.minimum(np.searchsorted(xs, b, side="left"), len(xs) - 1)]
+
+
+def realistic_rows(batch_tokens: int, *, max_rows: int = 64, tokens_per_request: int = 4) -> int:
+    """The row count the simple SPS(B) curve assumes for a batch of ``batch_tokens``: ``B //
+    tokens_per_request`` requests (each verifying a few drafts plus its anchor), at least 1, rounded up
+    to a power of two (the engine's row bucket), at most ``max_rows``.
+
+    >>> [realistic_rows(b) for b in (1, 8, 64, 256, 512)]
+    [1, 2, 16, 64, 64]
+    """
+    want = max(1, int(batch_tokens) // int(tokens_per_request))
+    return int(min(int(max_rows), 1 << (want - 1).bit_length()))
+
+
+def context_window(context_tokens, block: int, step: int):
+    """Attention window of a round whose longest request holds ``context_tokens``: room for the context
+    and ``block + 1`` new tokens, rounded up to a multiple of ``step`` (as ``llama.context_bucket``,
+    without the capacity cap). Works on Python ints, NumPy and JAX integer arrays.
+
+    >>> context_window(128, 7, 128), context_window(120, 7, 128)
+    (256, 128)
+    """
+    need = context_tokens + block + 1
+    return ((need + step - 1) // step) * step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +132,23 @@ class SPSMetadata:
         return datetime.date.today().isoformat()
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temporary file in the same folder, fsync, rename)."""
+def check_writable(path: str | os.PathLike) -> Path:
+    """Raise ``ValueError`` unless a file can be written at ``path`` (call it before long work)."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise ValueError(f"cannot write {path}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
         raise ValueError(f"cannot write {path}: folder {folder} is not writable")
+    if path.is_dir():
+        raise ValueError(f"cannot write {path}: it is a folder")
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temporary file in the same folder, fsync, rename)."""
+    path = check_writable(path)
+    folder = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "w") as f:
@@ -85,12 +162,324 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+def _nested(obj, depth: int):
+    """Lists (from JSON) -> nested tuples, ``depth`` levels deep."""
+    if depth == 0:
+        if isinstance(obj, np.integer):
+            return int(obj)
+        if isinstance(obj, np.floating):
+            return float(obj)
+        return obj
+    if not isinstance(obj, (list, tuple)):
+        raise TypeError(f"expected a list, got {type(obj).__name__}")
+    return tuple(_nested(x, depth - 1) for x in obj)
+
+
+def _int_axis(name: str, values, *, minimum: int) -> None:
+    if not values:
+        raise ValueError(f"cost model: {name} must not be empty")
+    prev = None
+    for v in values:
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < minimum:
+            raise ValueError(f"cost model: {name} must hold integers >= {minimum}, got {v!r} in {list(values)}")
+        if prev is not None and v <= prev:
+            raise ValueError(f"cost model: {name} must be strictly increasing, got {list(values)}")
+        prev = v
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Measured seconds per round on a grid: context length x rows x verification tokens.
+
+    Axes: ``context_lengths`` [C] (tokens held per request when measured) with the attention ``windows``
+    [C] the engine compiles for them (see :func:`context_window`), ``rows`` [R] (row buckets: a round
+    with ``r`` active requests runs at the smallest measured row count ``>= r``) and ``batch_tokens`` [T]
+    (padded verification sizes, the engine's buckets). ``block`` is G: verification holds at most
+    ``G + 1`` tokens per request, so ``B <= rows * (G + 1)``.
+
+    ``verify_s[c][r][t]`` is the median verification time (``None``: not measured; a round with ``r``
+    rows never needs ``B`` beyond ``rows * (G + 1)``, and a batch of ``t`` tokens needs more than
+    ``rows[r - 1]`` requests). Missing cells are filled conservatively (:meth:`filled_verify`): from the
+    next measured batch of the same row (padding up), else from the next larger row count at the same
+    batch. The largest row count must be measured at the largest batch, at every context length.
+    ``draft_s[c][r]`` is the drafter's time for a block of every row (0 when no drafter was measured).
+    Spreads are half the interquartile range of the repeats, in seconds.
+    """
+
+    block: int
+    context_step: int
+    context_lengths: tuple[int, ...]
+    windows: tuple[int, ...]
+    rows: tuple[int, ...]
+    batch_tokens: tuple[int, ...]
+    verify_s: tuple  # [C][R][T] float or None
+    verify_spread_s: tuple  # [C][R][T] float or None (None exactly where verify_s is None)
+    draft_s: tuple  # [C][R] float
+    draft_spread_s: tuple  # [C][R] float
+
+    def __post_init__(self):
+        for name, depth in (("context_lengths", 1), ("windows", 1), ("rows", 1), ("batch_tokens", 1),
+                            ("verify_s", 3), ("verify_spread_s", 3), ("draft_s", 2), ("draft_spread_s", 2)):
+            try:
+                object.__setattr__(self, name, _nested(getattr(self, name), depth))
+            except TypeError as e:
+                raise ValueError(f"cost model: {name} must be nested {depth} deep: {e}") from None
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        for name in ("block", "context_step"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"cost model: {name} must be an integer >= 1, got {v!r}")
+        _int_axis("context_lengths", self.context_lengths, minimum=0)
+        _int_axis("windows", self.windows, minimum=1)
+        _int_axis("rows", self.rows, minimum=1)
+        _int_axis("batch_tokens", self.batch_tokens, minimum=1)
+        C, R, T = len(self.context_lengths), len(self.rows), len(self.batch_tokens)
+        if len(self.windows) != C:
+            raise ValueError(f"cost model: windows needs one entry per context length ({C}), got {len(self.windows)}")
+        for L, W in zip(self.context_lengths, self.windows):
+            if W <= L:
+                raise ValueError(f"cost model: window {W} must exceed its context length {L}")
+        for name, shape in (("verify_s", (C, R, T)), ("verify_spread_s", (C, R, T)), ("draft_s", (C, R)),
+                            ("draft_spread_s", (C, R))):
+            self._check_shape(name, getattr(self, name), shape)
+        for c, L in enumerate(self.context_lengths):
+            for r, rows in enumerate(self.rows):
+                where = f"(context {L}, rows {rows})"
+                d, ds = self.draft_s[c][r], self.draft_spread_s[c][r]
+                if not _finite(d) or d < 0 or not _finite(ds) or ds < 0:
+                    raise ValueError(f"cost model: draft_s[{c}][{r}] {where} and its spread must be finite and "
+                                     f">= 0, got {d!r} and {ds!r}")
+                for t, b in enumerate(self.batch_tokens):
+                    v, vs = self.verify_s[c][r][t], self.verify_spread_s[c][r][t]
+                    at = f"verify_s[{c}][{r}][{t}] (context {L}, rows {rows}, B {b})"
+                    if v is None:
+                        if vs is not None:
+                            raise ValueError(f"cost model: {at} is not measured but has a spread {vs!r}")
+                        continue
+                    if not _finite(v) or v <= 0:
+                        raise ValueError(f"cost model: {at} must be finite and > 0 (or null), got {v!r}")
+                    if not _finite(vs) or vs < 0:
+                        raise ValueError(f"cost model: spread of {at} must be finite and >= 0, got {vs!r}")
+            if self.verify_s[c][-1][-1] is None:
+                raise ValueError(
+                    f"cost model: verify_s[{c}][{R - 1}][{T - 1}] (context {L}, rows {self.rows[-1]}, "
+                    f"B {self.batch_tokens[-1]}) must be measured: the largest row count at the largest batch "
+                    f"is where missing cells are filled from"
+                )
+
+    @staticmethod
+    def _check_shape(name, value, shape, prefix=""):
+        if len(value) != shape[0]:
+            raise ValueError(f"cost model: {name}{prefix} must have {shape[0]} entries (shape {list(shape)} over "
+                             f"contexts, rows, batch tokens), got {len(value)}")
+        if len(shape) > 1:
+            for i, v in enumerate(value):
+                CostModel._check_shape(name, v, shape[1:], f"{prefix}[{i}]")
+
+    # ------------------------------------------------------------------ dense forms
+    @property
+    def max_tokens(self) -> int:
+        return int(self.batch_tokens[-1])
+
+    @property
+    def measured(self) -> np.ndarray:
+        """bool [C, R, T], True where ``verify_s`` was measured."""
+        return np.array([[[v is not None for v in row] for row in ctx] for ctx in self.verify_s])
+
+    def filled_verify(self) -> tuple[np.ndarray, np.ndarray]:
+        """Verification seconds and spreads, float64 [C, R, T], with missing cells filled (class docstring)."""
+        raw = np.array([[[np.nan if v is None else v for v in row] for row in ctx] for ctx in self.verify_s])
+        spread = np.array([[[np.nan if v is None else v for v in row] for row in ctx]
+                           for ctx in self.verify_spread_s])
+        C, R, T = raw.shape
+        for c in range(C):
+            for r in range(R - 1, -1, -1):
+                nxt = None  # index of the next measured batch of this row
+                for t in range(T - 1, -1, -1):
+                    if not np.isnan(raw[c, r, t]):
+                        nxt = (c, r, t)
+                        continue
+                    src = nxt if nxt is not None else (c, r + 1, t)  # r + 1 exists: validate()
+                    raw[c, r, t], spread[c, r, t] = raw[src], spread[src]
+        return raw, spread
+
+    def step_grid(self, interpolation: str = "linear") -> np.ndarray:
+        """Round seconds ``draft + verify`` for every batch ``b = 0..max_tokens``: float64 [C, R, N]."""
+        if interpolation not in INTERPOLATIONS:
+            raise ValueError(f"interpolation: expected one of {INTERPOLATIONS}, got {interpolation!r}")
+        verify, _ = self.filled_verify()
+        xs = np.asarray(self.batch_tokens, np.float64)
+        b = np.arange(self.max_tokens + 1, dtype=np.float64)
+        dense = np.stack([np.stack([_interpolate(xs, row, b, interpolation) for row in ctx]) for ctx in verify])
+        return dense + np.asarray(self.draft_s, np.float64)[:, :, None]
+
+    def curve(self, context_tokens: int, *, tokens_per_request: int = 4) -> dict[str, np.ndarray]:
+        """The simple curve at one context: each measured batch ``B`` with :func:`realistic_rows` rows.
+
+        Returns float64 arrays [T] (``rows`` and ``batch_tokens`` int64): ``verify_s``, ``draft_s``,
+        ``step_s`` (their sum) and ``spread_s`` (sum of the two spreads, an upper bound).
+        """
+        verify, vspread = self.filled_verify()
+        draft, dspread = np.asarray(self.draft_s, np.float64), np.asarray(self.draft_spread_s, np.float64)
+        windows = np.asarray(self.windows, np.float64)
+        w = float(context_window(int(context_tokens), self.block, self.context_step))
+        mix = lambda per_ctx: float(_window_mix(np, windows, per_ctx, w))
+        out = {k: [] for k in ("batch_tokens", "rows", "verify_s", "draft_s", "step_s", "spread_s")}
+        for t, b in enumerate(self.batch_tokens):
+            rows = realistic_rows(b, max_rows=self.rows[-1], tokens_per_request=tokens_per_request)
+            r = int(np.searchsorted(np.asarray(self.rows), rows, side="left"))
+            v, d = mix(verify[:, r, t]), mix(draft[:, r])
+            out["batch_tokens"].append(b)
+            out["rows"].append(rows)
+            out["verify_s"].append(v)
+            out["draft_s"].append(d)
+            out["step_s"].append(v + d)
+            out["spread_s"].append(mix(vspread[:, r, t]) + mix(dspread[:, r]))
+        return {k: np.asarray(v) for k, v in out.items()}
+
+    def check_query(self, num_requests, context_tokens) -> None:
+        """``ValueError`` unless ``1 <= num_requests <= rows[-1]`` and ``context_tokens >= 0`` (integers)."""
+        if not isinstance(num_requests, (int, np.integer)) or isinstance(num_requests, bool):
+            raise ValueError(f"num_requests: expected an integer, got {num_requests!r}")
+        if not 1 <= num_requests <= self.rows[-1]:
+            raise ValueError(f"num_requests: expected 1..{self.rows[-1]} (the largest profiled row count), got "
+                             f"{num_requests}; profile more rows rather than extrapolating")
+        if not isinstance(context_tokens, (int, np.integer)) or isinstance(context_tokens, bool) or context_tokens < 0:
+            raise ValueError(f"context_tokens: expected an integer >= 0, got {context_tokens!r}")
+
+    def step_times(self, num_requests: int, context_tokens: int, *, interpolation: str = "linear",
+                   envelope: bool = False) -> np.ndarray:
+        """Round seconds for ``b = 0..max_tokens`` at ``num_requests`` active requests whose longest
+        context is ``context_tokens`` tokens: float64 [max_tokens + 1] (NumPy twin of :func:`sps_from_cost`)."""
+        self.check_query(num_requests, context_tokens)
+        grid = self.step_grid(interpolation)
+        r = int(np.searchsorted(np.asarray(self.rows), num_requests, side="left"))
+        per_ctx = grid[:, r, :]  # [C, N]
+        w = float(context_window(int(context_tokens), self.block, self.context_step))
+        t = _window_mix(np, np.asarray(self.windows, np.float64), per_ctx, w)
+        if envelope:
+            t = np.minimum.accumulate(t[::-1])[::-1]
+        return t
+
+    def arrays(self, interpolation: str = "linear") -> "CostArrays":
+        """The model as device arrays for :func:`sps_from_cost` (build once, reuse every round)."""
+        return CostArrays(windows=jnp.asarray(self.windows, jnp.float32),
+                          rows=jnp.asarray(self.rows, jnp.int32),
+                          step_s=jnp.asarray(self.step_grid(interpolation), jnp.float32),
+                          block=int(self.block), context_step=int(self.context_step))
+
+    # ------------------------------------------------------------------ serialisation
+    def to_json(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = json.loads(json.dumps(v))  # nested tuples -> lists
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any, *, source: str = "cost model") -> "CostModel":
+        if not isinstance(obj, dict):
+            raise ValueError(f"{source}: expected 'cost_model' to be an object, got {type(obj).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing, unknown = set(names) - set(obj), set(obj) - set(names)
+        if missing or unknown:
+            raise ValueError(f"{source}: cost_model fields: missing {sorted(missing)}, unknown {sorted(unknown)}; "
+                             f"expected {names}")
+        try:
+            return cls(**obj)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _window_mix(xp, windows, per_ctx, w):
+    """Step time at window ``w`` from per-window rows ``per_ctx`` [C, N]: linear between measured windows,
+    clamped below the first, extrapolated along the last segment (slope >= 0) beyond the last."""
+    if per_ctx.shape[0] == 1:
+        return per_ctx[0]
+    i = xp.clip(xp.searchsorted(windows, w, side="right") - 1, 0, windows.shape[0] - 2)
+    w0, w1 = windows[i], windows[i + 1]
+    t0, t1 = per_ctx[i], per_ctx[i + 1]
+    frac = (w - w0) / (w1 - w0)
+    inside = xp.clip(frac, 0.0, 1.0)
+    beyond = xp.maximum(frac - 1.0, 0.0)
+    return t0 + inside * (t1 - t0) + beyond * xp.maximum(t1 - t0, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostArrays:
+    """:class:`CostModel` as arrays (a pytree; ``block`` and ``context_step`` are static).
+
+    Attributes:
+      windows: float32 [C] measured attention windows.
+      rows: int32 [R] measured row counts (row buckets).
+      step_s: float32 [C, R, N] round seconds (draft + verify) for ``b = 0..N-1`` batch tokens.
+    """
+
+    windows: jax.Array
+    rows: jax.Array
+    step_s: jax.Array
+    block: int
+    context_step: int
+
+
+jax.tree_util.register_dataclass(CostArrays, data_fields=["windows", "rows", "step_s"],
+                                 meta_fields=["block", "context_step"])
+
+
+@functools.partial(jax.jit, static_argnames=("envelope",))
+def sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_tokens: jax.Array, *,
+                  envelope: bool = False) -> jax.Array:
+    """Dense steps/s table for the scheduler, for this round's load, inside ``jit``.
+
+    ``num_requests`` and ``context_tokens`` are arrays, so a new load never compiles again. The rows are
+    charged at the smallest measured row count ``>= num_requests`` (contract: ``1 <= num_requests <=
+    rows[-1]``, checked on the host by :meth:`CostModel.check_query`; larger values are charged as the
+    largest row count). Windows: see :func:`context_window` and the module docstring.
+
+    Args:
+      cost: :class:`CostArrays` from :meth:`CostModel.arrays` (or :meth:`SPSTable.cost_arrays`).
+      num_requests: int [] active requests R.
+      context_tokens: int [] tokens held by the longest active request L.
+      envelope: replace step time by its suffix minimum over ``b`` (non-increasing steps/s).
+
+    Returns:
+      float32 [N], ``sps[b] = 1 / (draft(R, L) + verify(R, b, L))``.
+
+    >>> cm = CostModel(block=1, context_step=128, context_lengths=(0, 200), windows=(128, 256), rows=(1, 2),
+    ...                batch_tokens=(2, 4), verify_s=(((1.0, None), (1.0, 2.0)), ((2.0, None), (2.0, 4.0))),
+    ...                verify_spread_s=(((0.0, None), (0.0, 0.0)), ((0.0, None), (0.0, 0.0))),
+    ...                draft_s=((0.0, 0.0), (0.0, 0.0)), draft_spread_s=((0.0, 0.0), (0.0, 0.0)))
+    >>> [round(x, 4) for x in sps_from_cost(cm.arrays(), jnp.int32(2), jnp.int32(0)).tolist()]
+    [1.0, 1.0, 1.0, 0.6667, 0.5]
+    """
+    windows, rows, step_s = cost.windows, cost.rows, cost.step_s
+    r = jnp.clip(jnp.searchsorted(rows, jnp.asarray(num_requests, jnp.int32), side="left"), 0, rows.shape[0] - 1)
+    per_ctx = step_s[:, r, :]  # [C, N]
+    w = context_window(jnp.asarray(context_tokens, jnp.int32), cost.block, cost.context_step).astype(jnp.float32)
+    t = _window_mix(jnp, windows, per_ctx, w)
+    if envelope:
+        t = lax.cummin(t, axis=0, reverse=True)
+    return (1.0 / t).astype(jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class SPSTable:
-    """Measured steps/s against batch tokens, with metadata. Validated on construction."""
+    """Measured steps/s against batch tokens, with metadata. Validated on construction.
+
+    ``cost_model`` (optional) is the grid the points were derived from, see :class:`CostModel`; tables
+    written before it existed load with ``cost_model=None``.
+    """
 
     points: tuple[SPSPoint, ...]
     metadata: SPSMetadata = dataclasses.field(default_factory=SPSMetadata)
+    cost_model: CostModel | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "points", tuple(self.points))
@@ -171,11 +560,8 @@ class SPSTable:
         b = np.arange(top + 1, dtype=np.float64)
         if envelope:
             ts = np.minimum.accumulate(ts[::-1])[::-1]
-        if interpolation == "linear":
-            t = np.interp(b, xs, ts)  # constant below the first point
-        else:
-            t = ts[np.minimum(np.searchsorted(xs, b, side="left"), len(xs) - 1)]
-        return t  # non-decreasing when ``envelope``: both interpolations keep the order of the points
+        return _interpolate(xs, ts, b, interpolation)  # non-decreasing when ``envelope``: both
+        # interpolations keep the order of the points
 
     def to_dense(self, max_tokens: int | None = None, *, interpolation: str = "linear",
                  envelope: bool = False) -> np.ndarray:
@@ -192,13 +578,40 @@ class SPSTable:
         )
 
     # ------------------------------------------------------------------ serialisation
+    # ------------------------------------------------------------------ cost model (R, B, L)
+    def _require_cost_model(self) -> CostModel:
+        if self.cost_model is None:
+            raise ValueError("this SPS table has no cost model (only the SPS(B) points): use to_dense(), or "
+                             "profile again with python -m profiling.profile_sps")
+        return self.cost_model
+
+    def sps_for(self, num_requests: int, context_tokens: int, *, interpolation: str = "linear",
+                envelope: bool = False) -> np.ndarray:
+        """The scheduler's table for one round's load: float32 [N], ``N = cost_model.max_tokens + 1``.
+
+        ``sps[b] = 1 / (draft(R, L) + verify(R, b, L))`` with ``R = num_requests`` active requests and
+        ``L = context_tokens`` held by the longest one (module docstring). Raises ``ValueError`` when the
+        table has no cost model or the load lies outside what can be read from it.
+        """
+        cm = self._require_cost_model()
+        t = cm.step_times(num_requests, context_tokens, interpolation=interpolation, envelope=envelope)
+        return (1.0 / t).astype(np.float32)
+
+    def cost_arrays(self, *, interpolation: str = "linear") -> CostArrays:
+        """Device arrays of the cost model for :func:`sps_from_cost` (inside ``jit``)."""
+        return self._require_cost_model().arrays(interpolation)
+
+    # ------------------------------------------------------------------ serialisation
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": FORMAT,
             "version": VERSION,
             "metadata": dataclasses.asdict(self.metadata),
             "points": [dataclasses.asdict(p) for p in self.points],
         }
+        if self.cost_model is not None:
+            out["cost_model"] = self.cost_model.to_json()
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, *, source: str = "SPS table") -> "SPSTable":
@@ -229,10 +642,16 @@ class SPSTable:
         unknown = set(meta) - known
         if unknown:
             raise ValueError(f"{source}: unknown metadata fields {sorted(unknown)}; expected {sorted(known)}")
+        cost = obj.get("cost_model")
+        cost = None if cost is None else CostModel.from_json(cost, source=source)
         try:
-            return cls(tuple(points), SPSMetadata(**meta))
+            table = cls(tuple(points), SPSMetadata(**meta), cost)
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
+        if cost is not None and table.max_tokens != cost.max_tokens:
+            raise ValueError(f"{source}: the points end at B={table.max_tokens} but the cost model at "
+                             f"B={cost.max_tokens}")
+        return table
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the table as JSON, atomically."""
@@ -251,13 +670,44 @@ class SPSTable:
 
     # ------------------------------------------------------------------ compatibility
     def check_compatible(self, *, model: str | None = None, dtype: str | None = None,
-                         backend: str | None = None, device_kind: str | None = None) -> list[str]:
-        """Warn (and return the messages) where the table was measured for something else."""
+                         backend: str | None = None, device_kind: str | None = None,
+                         block: int | None = None) -> list[str]:
+        """Warn (and return the messages) where the table was measured for something else.
+
+        ``block`` (G) is compared with the cost model's: verification with another block size compiles
+        another shape (``G + 1`` tokens per request) and costs something else.
+        """
         msgs = []
         for name, want in (("model", model), ("dtype", dtype), ("backend", backend), ("device_kind", device_kind)):
             have = getattr(self.metadata, name)
             if want is not None and have not in ("unknown", want):
                 msgs.append(f"SPS table was measured with {name}={have!r} but is used with {name}={want!r}")
+        if block is not None and self.cost_model is not None and self.cost_model.block != block:
+            msgs.append(f"SPS table was measured with block={self.cost_model.block} but is used with block={block}")
         for m in msgs:
             warnings.warn(m, stacklevel=2)
         return msgs
+
+
+def load_sps_table(path: str | os.PathLike, *, model: str | None = None, dtype: str | None = None,
+                   backend: str | None = None, device_kind: str | None = None,
+                   block: int | None = None) -> SPSTable:
+    """Load a table and warn (``UserWarning``, :meth:`SPSTable.check_compatible`) where its metadata does
+    not match what it is about to be used with; ``None`` skips a check. Never silently mixes: the
+    warnings name both values."""
+    table = SPSTable.load(path)
+    table.check_compatible(model=model, dtype=dtype, backend=backend, device_kind=device_kind, block=block)
+    return table
+
+
+def default_sps_table(*, model: str | None = None, dtype: str | None = None, backend: str | None = None,
+                      device_kind: str | None = None, block: int | None = None) -> SPSTable:
+    """The packaged table (:data:`DEFAULT_TABLE`, measured on a CPU for SmolLM2-135M), checked like
+    :func:`load_sps_table`. Used when no table is given."""
+    resource = importlib.resources.files("dspark_jax").joinpath(DEFAULT_TABLE)
+    with importlib.resources.as_file(resource) as path:
+        if not path.is_file():
+            raise ValueError(f"the packaged SPS table {DEFAULT_TABLE} is missing from this installation; "
+                             f"profile one with python -m profiling.profile_sps --out TABLE.json")
+        return load_sps_table(path, model=model, dtype=dtype, backend=backend, device_kind=device_kind,
+                              block=block)

@@ -1,0 +1,391 @@
+"""Measure what a decoding round costs and turn it into an SPS table with a cost model (spec section 3).
+
+A round is the drafter's block for every active request, then one packed verification by the target.
+Both are measured as the engine runs them, on the backend JAX selects (or the one asked for):
+
+* verification: ``llama.forward_packed`` with ``T`` tokens (a bucket), ``max_per_slot = G + 1``, a grid of
+  ``R`` rows (``row_slots``) and the attention window ``W = context_window(L, G, 128)``, every row holding
+  ``L`` committed tokens;
+* drafting: ``drafter.draft`` for ``R`` rows (the module split once, a jitted pure function of its
+  state), with a drafter cache of ``W`` positions.
+
+Every measurement warms up (compilation excluded), blocks until ready, repeats and keeps the median and
+the spread (``timing.time_call``). Cache contents are zeros: no operation's cost depends on the values.
+
+Axis legend: R rows (active requests, padded to a row bucket), T verification tokens (padded to a
+bucket), B valid verification tokens (``B <= R * (G + 1)``), G block size, L context tokens held per
+request, W attention window.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from dspark_jax.models.drafter import (Drafter, DrafterConfig, draft, draft_head_weights,
+                                       init_drafter_cache)
+from dspark_jax.models.llama import BUCKETS, CONTEXT_STEP, LlamaConfig, LlamaWeights, forward_packed, init_cache
+from dspark_jax.sps import (CostModel, SPSMetadata, SPSPoint, SPSTable, context_window, realistic_rows)
+from dspark_jax.timing import Timing, time_call
+
+__all__ = [
+    "DEFAULT_BLOCK",
+    "DEFAULT_CONTEXT_LENGTHS",
+    "DEFAULT_MAX_TOKENS",
+    "available_backends",
+    "select_device",
+    "model_label",
+    "token_buckets",
+    "row_buckets",
+    "verify_cells",
+    "diagonal_cells",
+    "random_drafter",
+    "time_verify",
+    "time_draft",
+    "profile_cost_model",
+    "sps_points",
+    "profile_sps_table",
+]
+
+DEFAULT_BLOCK = 7
+DEFAULT_CONTEXT_LENGTHS = (128, 512, 1024)
+DEFAULT_MAX_TOKENS = 512
+# The shipped drafter's shape (weights do not change the cost): 2 layers, FFN 1536, rank 64, 8192 draft tokens.
+SHIPPED_DRAFTER = dict(n_layers=2, ffn_dim=1536, rank=64, draft_vocab_size=8192)
+_KNOWN_BACKENDS = ("cpu", "gpu", "tpu")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Devices and names
+
+
+def available_backends() -> list[str]:
+    """The backends this process can use, among cpu, gpu and tpu."""
+    out = []
+    for name in _KNOWN_BACKENDS:
+        try:
+            if jax.devices(name):
+                out.append(name)
+        except RuntimeError:
+            pass
+    return out
+
+
+def select_device(backend: str | None = None) -> jax.Device:
+    """The first device of ``backend`` (default: the backend JAX selects); ``ValueError`` naming the
+    available backends when it is missing."""
+    if backend is None:
+        return jax.devices()[0]
+    try:
+        return jax.devices(backend)[0]
+    except RuntimeError:
+        raise ValueError(f"backend {backend!r} is not available on this machine; available backends: "
+                         f"{available_backends()} (JAX selects {jax.default_backend()!r} by default)") from None
+
+
+def model_label(path: str | os.PathLike) -> str:
+    """The model name a table records for a GGUF file: its file name."""
+    return Path(path).name
+
+
+# ----------------------------------------------------------------------------------------------------
+# What to measure
+
+
+def token_buckets(max_tokens: int, buckets: Sequence[int] = BUCKETS) -> tuple[int, ...]:
+    """The verification buckets up to the one that holds ``max_tokens``.
+
+    >>> token_buckets(300)
+    (8, 16, 32, 64, 128, 256, 512)
+    """
+    if max_tokens < 1 or max_tokens > buckets[-1]:
+        raise ValueError(f"max_tokens: expected 1..{buckets[-1]} (the largest verification bucket), got {max_tokens}")
+    top = next(b for b in buckets if b >= max_tokens)
+    return tuple(b for b in buckets if b <= top)
+
+
+def row_buckets(max_tokens: int, block: int) -> tuple[int, ...]:
+    """Powers of two from 1 up to the first that can hold ``max_tokens`` tokens at ``block + 1`` per row.
+
+    >>> row_buckets(512, 7)
+    (1, 2, 4, 8, 16, 32, 64)
+    """
+    need = -(-int(max_tokens) // (block + 1))
+    out = [1]
+    while out[-1] < need:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+def _ceil_to(values: Sequence[int], x: int) -> int:
+    """The smallest of ``values`` (increasing) that is ``>= x``, else the last."""
+    return next((v for v in values if v >= x), values[-1])
+
+
+def verify_cells(rows: Sequence[int], batch_tokens: Sequence[int], block: int) -> list[tuple[int, int]]:
+    """Every (rows, tokens) cell a round can use: row bucket ``rows[i]`` serves ``rows[i-1] + 1 ..
+    rows[i]`` requests, so ``B`` runs from ``rows[i-1] + 1`` to ``rows[i] * (block + 1)`` (each ceiled to a
+    measured bucket). The largest row count also gets every larger bucket, where missing cells are filled
+    from (:class:`~dspark_jax.sps.CostModel`).
+
+    >>> verify_cells((1, 2, 4), (8, 16, 32, 64), 7)
+    [(1, 8), (2, 8), (2, 16), (4, 8), (4, 16), (4, 32), (4, 64)]
+    """
+    rows, batch_tokens = sorted(rows), sorted(batch_tokens)
+    cells = []
+    for i, r in enumerate(rows):
+        lo = _ceil_to(batch_tokens, (rows[i - 1] if i else 0) + 1)
+        hi = batch_tokens[-1] if i == len(rows) - 1 else _ceil_to(batch_tokens, r * (block + 1))
+        cells += [(r, t) for t in batch_tokens if lo <= t <= hi]
+    return cells
+
+
+def diagonal_cells(batch_tokens: Sequence[int], *, max_rows: int, block: int) -> list[tuple[int, int]]:
+    """One cell per bucket, at :func:`~dspark_jax.sps.realistic_rows` (the simple curve; ``--quick``),
+    plus the largest row count at the largest bucket.
+
+    >>> diagonal_cells((8, 64, 256), max_rows=64, block=7)
+    [(2, 8), (16, 64), (64, 256)]
+    """
+    cells = [(realistic_rows(t, max_rows=max_rows), t) for t in sorted(batch_tokens)]
+    top = (max(r for r, _ in cells), max(batch_tokens))
+    bad = [(r, t) for r, t in cells if t > r * (block + 1)]
+    if bad:
+        raise ValueError(f"cells {bad}: a batch cannot hold more than rows * (block + 1) tokens")
+    return cells if top in cells else cells + [top]
+
+
+def random_drafter(target_cfg: LlamaConfig, *, block: int = DEFAULT_BLOCK, seed: int = 0) -> Drafter:
+    """A randomly initialised drafter of the shipped shape (:data:`SHIPPED_DRAFTER`) for ``target_cfg``;
+    for a target with fewer than 8192 tokens (tiny test models) the draft vocabulary is the whole one and
+    the FFN is the target's."""
+    over = dict(SHIPPED_DRAFTER, block=block)
+    if target_cfg.vocab_size < over["draft_vocab_size"]:
+        over.update(draft_vocab_size=0, ffn_dim=target_cfg.ffn_dim, rank=min(over["rank"], target_cfg.dim))
+    cfg = DrafterConfig.for_target(target_cfg, **over)
+    return Drafter(cfg, rngs=nnx.Rngs(seed), vocab_ids=np.arange(cfg.draft_vocab, dtype=np.int32))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measurements
+
+
+def _device_of(x: jax.Array) -> jax.Device:
+    return next(iter(x.devices()))
+
+
+def time_verify(weights: LlamaWeights, cfg: LlamaConfig, *, rows: int, batch_tokens: int, context: int,
+                block: int = DEFAULT_BLOCK, repeats: int = 5, warmup: int = 1,
+                max_seconds: float | None = None) -> Timing:
+    """Seconds per packed verification of ``batch_tokens`` (T, padded size) over ``rows`` (R) requests that
+    each hold ``context`` (L) tokens, as the engine runs it.
+
+    ``B = min(T, R * (G + 1))`` tokens are valid, dealt round-robin over the rows (positions ``L, L + 1,
+    ...``); the rest is padding. The cache has R slots of ``W = context_window(L, G, 128)`` positions.
+    """
+    if rows < 1 or batch_tokens < 1 or context < 0:
+        raise ValueError(f"rows, batch_tokens >= 1 and context >= 0 expected, got {rows}, {batch_tokens}, {context}")
+    M = block + 1
+    W = context_window(context, block, CONTEXT_STEP)
+    n_valid = min(batch_tokens, rows * M)
+    idx = np.arange(batch_tokens)
+    # Every input committed to the weights' device, as the donated cache returned by each call is: otherwise
+    # the second call compiles again (committed and uncommitted arguments compile separately).
+    put = functools.partial(jax.device_put, device=_device_of(weights.embed))
+    tokens = put(np.asarray(idx % cfg.vocab_size, np.int32))  # [T]
+    slots = put(np.asarray(idx % rows, np.int32))  # [T]
+    positions = put(np.asarray(context + np.minimum(idx // rows, M - 1), np.int32))  # [T]
+    valid = put(idx < n_valid)  # [T]
+    row_slots = put(np.arange(rows, dtype=np.int32))  # [R]
+    cache = init_cache(cfg, rows, W, weights.embed.dtype)
+    state = {"cache": put(cache.replace(lengths=jnp.full((rows,), context, jnp.int32)))}
+
+    def step():
+        logits, extras, state["cache"] = forward_packed(weights, state["cache"], tokens, slots, positions, valid,
+                                                        cfg, max_per_slot=M, row_slots=row_slots, context=W)
+        return logits, extras
+
+    try:
+        return time_call(step, repeats=repeats, warmup=warmup, max_seconds=max_seconds)
+    finally:
+        del state["cache"]
+
+
+@functools.lru_cache(maxsize=8)
+def _draft_step(graphdef):
+    """``draft`` as a jitted pure function of the drafter's state (one per drafter structure, so equal
+    shapes compile once per process)."""
+
+    @jax.jit
+    def run(params, cache, slots, ctx_len, anchors, keys, temperature, embed, head_w):
+        return draft(nnx.merge(graphdef, params), cache, slots, ctx_len, anchors, keys, temperature, embed, head_w)
+
+    return run
+
+
+def time_draft(drafter: Drafter, embed: jax.Array, *, rows: int, context: int, repeats: int = 5, warmup: int = 1,
+               max_seconds: float | None = None) -> Timing:
+    """Seconds per drafted block for ``rows`` requests that each hold ``context`` tokens (sampling at
+    temperature 1; greedy costs the same: both branches are computed). The drafter cache has ``W =
+    context_window(L, G, 128)`` positions, the window the verification reads."""
+    if rows < 1 or context < 0:
+        raise ValueError(f"rows >= 1 and context >= 0 expected, got {rows}, {context}")
+    cfg = drafter.cfg
+    W = context_window(context, cfg.block, CONTEXT_STEP)
+    graphdef, params = nnx.split(drafter)
+    head_w = draft_head_weights(drafter, embed)  # [D, W_vocab]
+    run = _draft_step(graphdef)
+    args = (params, init_drafter_cache(cfg, rows, W, embed.dtype), jnp.arange(rows, dtype=jnp.int32),
+            jnp.full((rows,), context, jnp.int32), jnp.zeros((rows,), jnp.int32),
+            jax.random.split(jax.random.key(0), rows), jnp.float32(1.0), embed, head_w)
+    args = jax.device_put(args, _device_of(embed))
+    return time_call(lambda: run(*args), repeats=repeats, warmup=warmup, max_seconds=max_seconds)
+
+
+def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter | None, *,
+                       context_lengths: Sequence[int], batch_tokens: Sequence[int],
+                       rows: Sequence[int] | None = None, cells: Sequence[tuple[int, int]] | None = None,
+                       block: int = DEFAULT_BLOCK, repeats: int = 5, warmup: int = 1,
+                       max_seconds: float | None = None, progress: bool = False) -> CostModel:
+    """Measure a :class:`~dspark_jax.sps.CostModel`: the verification ``cells`` (default: every feasible
+    cell, :func:`verify_cells`) and the drafter at every row count, at every context length.
+
+    Args:
+      weights, cfg: the target.
+      drafter: the drafter (its ``block`` must equal ``block``), or None to record no draft cost (zeros).
+      context_lengths: tokens held per request; they must fall in distinct attention windows.
+      batch_tokens: verification buckets to measure (T).
+      rows: row buckets (default :func:`row_buckets` of the largest bucket).
+      cells: (rows, tokens) pairs to measure; the rows axis becomes the rows they use.
+      block: G, drafted tokens per request (verification holds G + 1 per request).
+      repeats, warmup, max_seconds: see ``timing.time_call``.
+      progress: show a progress bar.
+    """
+    if drafter is not None and drafter.cfg.block != block:
+        raise ValueError(f"drafter block {drafter.cfg.block} differs from block {block}")
+    batch_tokens = tuple(sorted(int(t) for t in batch_tokens))
+    contexts = tuple(sorted(int(c) for c in context_lengths))
+    if not contexts or contexts[0] < 0:
+        raise ValueError(f"context_lengths: expected at least one length >= 0, got {list(context_lengths)}")
+    windows = tuple(context_window(c, block, CONTEXT_STEP) for c in contexts)
+    for i in range(1, len(contexts)):
+        if windows[i] == windows[i - 1]:
+            raise ValueError(f"context lengths {contexts[i - 1]} and {contexts[i]} share the attention window "
+                             f"{windows[i]} (multiples of {CONTEXT_STEP} holding L + {block + 1} tokens): pick "
+                             f"lengths in different windows")
+    if cells is None:
+        rows = tuple(sorted(rows)) if rows is not None else row_buckets(batch_tokens[-1], block)
+        cells = verify_cells(rows, batch_tokens, block)
+    else:
+        cells = sorted({(int(r), int(t)) for r, t in cells})
+        bad = [(r, t) for r, t in cells if t not in batch_tokens or r < 1]
+        if bad:
+            raise ValueError(f"cells {bad}: tokens must be among batch_tokens {batch_tokens} and rows >= 1")
+        rows = tuple(sorted({r for r, _ in cells}))
+        if (rows[-1], batch_tokens[-1]) not in cells:
+            cells.append((rows[-1], batch_tokens[-1]))
+    r_index, t_index = {r: i for i, r in enumerate(rows)}, {t: i for i, t in enumerate(batch_tokens)}
+    C, R, T = len(contexts), len(rows), len(batch_tokens)
+    verify = [[[None] * T for _ in range(R)] for _ in range(C)]
+    verify_spread = [[[None] * T for _ in range(R)] for _ in range(C)]
+    draft_s = [[0.0] * R for _ in range(C)]
+    draft_spread = [[0.0] * R for _ in range(C)]
+    jobs = [(c, "draft", r, 0) for c in range(C) for r in rows if drafter is not None]
+    jobs += [(c, "verify", r, t) for c in range(C) for r, t in sorted(cells, key=lambda rt: rt[0] * rt[1])]
+    timing_kw = dict(repeats=repeats, warmup=warmup, max_seconds=max_seconds)
+    bar = tqdm(jobs, disable=not progress, desc="profiling", unit="cell")
+    for c, kind, r, t in bar:
+        bar.set_postfix_str(f"L={contexts[c]} {kind} R={r}" + (f" T={t}" if kind == "verify" else ""))
+        if kind == "draft":
+            tm = time_draft(drafter, weights.embed, rows=r, context=contexts[c], **timing_kw)
+            draft_s[c][r_index[r]], draft_spread[c][r_index[r]] = tm.median, tm.spread
+        else:
+            tm = time_verify(weights, cfg, rows=r, batch_tokens=t, context=contexts[c], block=block, **timing_kw)
+            verify[c][r_index[r]][t_index[t]] = tm.median
+            verify_spread[c][r_index[r]][t_index[t]] = tm.spread
+    return CostModel(block=block, context_step=CONTEXT_STEP, context_lengths=contexts, windows=windows, rows=rows,
+                     batch_tokens=batch_tokens, verify_s=verify, verify_spread_s=verify_spread, draft_s=draft_s,
+                     draft_spread_s=draft_spread)
+
+
+def sps_points(cost: CostModel, context: int) -> tuple[SPSPoint, ...]:
+    """The simple SPS(B) curve at ``context``: rounds per second ``1 / (draft + verify)`` at each measured
+    bucket with :func:`~dspark_jax.sps.realistic_rows` rows (the draft cost is folded in)."""
+    curve = cost.curve(context)
+    steps = 1.0 / curve["step_s"]
+    spread = curve["spread_s"] * steps**2  # d(1/t) = dt / t^2
+    return tuple(SPSPoint(int(b), float(s), float(d)) for b, s, d in zip(curve["batch_tokens"], steps, spread))
+
+
+def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
+                      context_lengths: Sequence[int] = DEFAULT_CONTEXT_LENGTHS,
+                      max_tokens: int = DEFAULT_MAX_TOKENS, batch_tokens: Sequence[int] | None = None,
+                      reference_context: int | None = None,
+                      rows: Sequence[int] | None = None, diagonal: bool = False, block: int = DEFAULT_BLOCK,
+                      drafter: Drafter | None = None, with_drafter: bool = True, repeats: int = 5,
+                      warmup: int = 1, max_seconds: float | None = None, device: jax.Device | None = None,
+                      progress: bool = False, extra: dict[str, Any] | None = None) -> SPSTable:
+    """Profile a whole table on ``device`` (default: JAX's choice): cost model, simple curve, metadata.
+
+    Args:
+      weights, cfg: the target; ``model``: its name for the metadata (:func:`model_label`).
+      context_lengths: tokens held per request; ``reference_context`` (default: the smallest) is where the
+        simple SPS(B) points are read.
+      max_tokens: the largest verification batch (rounded up to a bucket); ``batch_tokens`` (default: every
+        bucket up to it, :func:`token_buckets`) picks the buckets to measure.
+      rows: row buckets (default: powers of two up to what ``max_tokens`` needs).
+      diagonal: measure one cell per bucket (:func:`diagonal_cells`) instead of every feasible cell.
+      drafter: the drafter to time (default: :func:`random_drafter`, the shipped shape); ``with_drafter``
+        False records no draft cost.
+      repeats, warmup, max_seconds, progress: as in :func:`profile_cost_model`.
+      extra: more metadata.
+    """
+    device = select_device() if device is None else device
+    buckets = token_buckets(max_tokens) if batch_tokens is None else tuple(sorted(int(b) for b in batch_tokens))
+    contexts = sorted(int(c) for c in context_lengths)
+    ref = contexts[0] if reference_context is None else int(reference_context)
+    if ref not in contexts:
+        raise ValueError(f"reference_context {ref} must be one of the context lengths {contexts}")
+    with jax.default_device(device):
+        weights = jax.device_put(weights, device)
+        if with_drafter and drafter is None:
+            drafter = random_drafter(cfg, block=block)
+        drafter = drafter if with_drafter else None
+        if diagonal:
+            max_rows = rows[-1] if rows else row_buckets(buckets[-1], block)[-1]
+            cells = diagonal_cells(buckets, max_rows=max_rows, block=block)
+        else:
+            cells = None
+        cost = profile_cost_model(weights, cfg, drafter, context_lengths=contexts, batch_tokens=buckets, rows=rows,
+                                  cells=cells, block=block, repeats=repeats, warmup=warmup,
+                                  max_seconds=max_seconds, progress=progress)
+    meta_extra = {
+        "jax_version": jax.__version__,
+        "host": f"{platform.machine()} {os.cpu_count()} cores",
+        "device_count": jax.device_count(device.platform),
+        "context_lengths": list(cost.context_lengths),
+        "windows": list(cost.windows),
+        "rows": list(cost.rows),
+        "block": block,
+        "repeats": repeats,
+        "cells": "diagonal" if diagonal else "all",
+        "drafter": None if drafter is None else {k: v for k, v in drafter.cfg.to_dict().items()
+                                                 if k in ("n_layers", "ffn_dim", "rank", "draft_vocab_size", "head")},
+        "points": "rounds/s = 1 / (draft(R) + verify(R, B)) at the reference context, R = realistic_rows(B)",
+    }
+    meta_extra.update(extra or {})
+    meta = SPSMetadata(device_kind=device.device_kind, backend=device.platform, model=model,
+                       dtype=str(jnp.dtype(weights.embed.dtype)), context_length=ref,
+                       date=datetime.date.today().isoformat(), extra=meta_extra)
+    return SPSTable(sps_points(cost, ref), meta, cost)

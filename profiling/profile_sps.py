@@ -1,0 +1,111 @@
+"""Profile an SPS table with a cost model: the target's packed verification and the drafter's block.
+
+    python -m profiling.profile_sps [--quick] [--out TABLE.json] [--max-tokens 512]
+        [--context-lengths 128 512 1024] [--repeats 5] [--model GGUF | --tiny] [--backend gpu]
+
+Runs on the backend JAX selects (CPU, GPU or TPU); `--backend` insists on one. Writes the table (JSON,
+atomically) and a PNG beside it, and prints the curves. `--quick` measures one context and four buckets up
+to 256 (under a minute on two CPU cores); the default measures every (rows, bucket) cell a round can use.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax import profiling
+from dspark_jax.plots import plot_sps
+from dspark_jax.sps import check_writable
+from dspark_jax.timing import format_table
+
+DEFAULT_OUT = Path("runs/sps/sps_table.json")
+QUICK_BUCKETS = (8, 32, 128, 256, 512, 1024)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="one context (128), buckets 8/32/128/256, 2 repeats")
+    p.add_argument("--out", type=Path, help=f"JSON table (default {DEFAULT_OUT}); the PNG goes beside it")
+    p.add_argument("--png", type=Path, help="plot path (default: --out with .png)")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
+    p.add_argument("--max-tokens", type=int, help="largest verification batch B (default 512; --quick 256)")
+    p.add_argument("--context-lengths", type=int, nargs="+",
+                   help="tokens held per request (default 128 512 1024; --quick 128)")
+    p.add_argument("--reference-context", type=int, help="context of the simple SPS(B) points (default: smallest)")
+    p.add_argument("--rows", type=int, nargs="+", help="row buckets (default: powers of two up to max-tokens / 8)")
+    p.add_argument("--repeats", type=int, help="timed calls per cell (default 5; --quick 2)")
+    p.add_argument("--max-seconds", type=float, help="stop repeating a cell after this long (>= 3 repeats)")
+    p.add_argument("--block", type=int, default=profiling.DEFAULT_BLOCK, help="drafted tokens per request G")
+    p.add_argument("--no-drafter", action="store_true", help="record no draft cost")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", type=Path, help="GGUF path (default: the cached SmolLM2-135M-Instruct)")
+    src.add_argument("--tiny", action="store_true", help="a random tiny model (tests)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="target weights")
+    p.add_argument("--backend", help="insist on a backend (cpu, gpu, tpu); default: JAX's choice")
+    return p.parse_args(argv)
+
+
+def load_target(args):
+    from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
+
+    dtype = jnp.dtype(args.dtype)
+    if args.tiny:
+        cfg = LlamaConfig.tiny()
+        return cfg, init_random_weights(cfg, jax.random.key(0), dtype), "tiny-random"
+    from dspark_jax.models.gguf import default_model_path
+
+    path = default_model_path() if args.model is None else args.model
+    model = LlamaModel.from_gguf(path, dtype=dtype)
+    return model.cfg, model.weights, profiling.model_label(path)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # Everything that can fail fast fails before anything is loaded or measured.
+    device = profiling.select_device(args.backend)
+    out = args.out or DEFAULT_OUT
+    if args.out is None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(out)
+    png = None if args.no_plot else (args.png or out.with_suffix(".png"))
+    if png is not None:
+        check_writable(png)
+    max_tokens = args.max_tokens or (256 if args.quick else profiling.DEFAULT_MAX_TOKENS)
+    contexts = args.context_lengths or ((128,) if args.quick else profiling.DEFAULT_CONTEXT_LENGTHS)
+    repeats = args.repeats or (2 if args.quick else 5)
+    buckets = profiling.token_buckets(max_tokens)
+    if args.quick:
+        buckets = tuple(sorted({b for b in buckets if b in QUICK_BUCKETS} | {buckets[-1]}))
+    if args.reference_context is not None and args.reference_context not in contexts:
+        raise ValueError(f"--reference-context {args.reference_context} must be one of --context-lengths {contexts}")
+
+    cfg, weights, name = load_target(args)
+    print(f"profiling {name} ({args.dtype}) on {device.platform} ({device.device_kind}): B up to {buckets[-1]}, "
+          f"contexts {list(contexts)}, {repeats} repeats, {'diagonal' if args.quick else 'all'} cells")
+    table = profiling.profile_sps_table(
+        weights, cfg, model=name, context_lengths=contexts,
+        reference_context=args.reference_context, rows=args.rows, diagonal=args.quick, block=args.block,
+        with_drafter=not args.no_drafter, repeats=repeats, max_seconds=args.max_seconds, device=device,
+        progress=True, extra={"quick": args.quick}, batch_tokens=buckets)
+    table.save(out)
+    cm = table.cost_model
+    rows = []
+    for L in cm.context_lengths:
+        c = cm.curve(L)
+        for i, b in enumerate(c["batch_tokens"]):
+            rows.append({"L": L, "B": int(b), "R": int(c["rows"][i]), "verify_ms": 1e3 * c["verify_s"][i],
+                         "draft_ms": 1e3 * c["draft_s"][i], "round_ms": 1e3 * c["step_s"][i],
+                         "rounds_per_s": 1 / c["step_s"][i], "tokens_per_s": b / c["step_s"][i]})
+    print(format_table(rows, ["L", "B", "R", "verify_ms", "draft_ms", "round_ms", "rounds_per_s", "tokens_per_s"]))
+    print(f"wrote {out}")
+    if png is not None:
+        plot_sps(table, png, title="SPS profile")
+        print(f"wrote {png}")
+    return table
+
+
+if __name__ == "__main__":
+    main()
