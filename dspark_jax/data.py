@@ -81,12 +81,14 @@ def load_prompts(paths: Sequence[str | os.PathLike], limit: int | None = None) -
 
 # ------------------------------------------------------------------------------------------ stage 1
 def generate_responses(model, prompts: Sequence[Prompt], out_dir: str | os.PathLike, *, max_new_tokens: int,
-                       temperature: float, seed: int, num_slots: int, chunk_size: int,
+                       temperatures: Sequence[float], seed: int, num_slots: int, chunk_size: int,
                        max_prompt_tokens: int, progress: bool = True) -> list[Path]:
     """Let the target answer ``prompts`` (first turn, chat template), chunk by chunk, resumably.
 
-    Prompts longer than ``max_prompt_tokens`` after the template are skipped (recorded in the chunk file
-    with ``"skipped": true`` so a resumed run does not reconsider them). Returns the chunk files.
+    Chunk ``c`` is sampled at ``temperatures[c % len(temperatures)]`` (0 = greedy), so the data covers the
+    target's own low- and high-temperature behaviour. Prompts longer than ``max_prompt_tokens`` after the
+    template are skipped (recorded in the chunk file with ``"skipped": true`` so a resumed run does not
+    reconsider them). Returns the chunk files.
     """
     from dspark_jax.decoding import plain_generate
     from tqdm import tqdm
@@ -107,13 +109,14 @@ def generate_responses(model, prompts: Sequence[Prompt], out_dir: str | os.PathL
         keep = [i for i, ids in enumerate(encoded) if len(ids) <= max_prompt_tokens]
         records = {i: {"index": chunk[i].index, "domain": chunk[i].domain, "skipped": True} for i in range(len(chunk))}
         if keep:
+            temperature = float(temperatures[c % len(temperatures)])
             results, stats = plain_generate(model, [encoded[i] for i in keep], max_new_tokens, temperature,
                                             seed=seed + c, num_slots=num_slots, warmup=c == 0)
             bar.set_postfix(tok_s=f"{stats.tokens_per_s:.0f}")
             for i, res in zip(keep, results):
                 records[i] = {"index": chunk[i].index, "domain": chunk[i].domain, "skipped": False,
                               "prompt_ids": res.prompt_ids, "output_ids": res.output_ids,
-                              "finished": res.finished_by_stop}
+                              "finished": res.finished_by_stop, "temperature": temperature}
         atomic_write_text(path, "".join(json.dumps(records[i]) + "\n" for i in range(len(chunk))))
         bar.update(len(chunk))
     bar.close()

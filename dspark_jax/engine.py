@@ -42,13 +42,13 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import calibration, scheduler, verify
+from dspark_jax.timing import compile_count
 from dspark_jax.models import drafter as dr
 from dspark_jax.models.llama import (
     CONTEXT_STEP,
     LlamaModel,
     bucket_for,
     commit,
-    context_bucket,
     forward_packed,
     prefill,
     prefill_chunks,
@@ -159,7 +159,8 @@ class RoundStats:
     emitted: int  # tokens emitted by the round
     batch_tokens: int  # verification batch B (anchors + scheduled drafts)
     padded_tokens: int  # T, the bucket B was padded to
-    seconds: float  # wall time of the round (both programs)
+    seconds: float  # wall time of the round: admissions (prefill) and both programs
+    compiled: bool  # something compiled during the round (its time is not steady state)
 
 
 @dataclasses.dataclass
@@ -174,6 +175,12 @@ def _key(seed, stream: int, request, position):
     """PRNG key per (seed, stream, request, position); vectorised over request/position arrays."""
     base = jax.random.fold_in(jax.random.key(seed), stream)
     return jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(base, r), p))(request, position)
+
+
+def _window(n: int, capacity: int) -> int:
+    """Attention window over the caches for contexts below ``n``: a power of two >= 128, at most the
+    capacity (few shapes: each (rows, tokens, window) combination compiles once)."""
+    return min(capacity, max(CONTEXT_STEP, _pow2(n, 1 << 30)))
 
 
 def _pow2(n: int, cap: int) -> int:
@@ -275,20 +282,23 @@ class Engine:
             if self.on_token is not None:
                 self.on_token(rid, int(t))
 
-    def _admit(self) -> None:
-        """Prefill queued requests into free slots; emit their first token."""
+    def _admit(self) -> int:
+        """Prefill queued requests into free slots and emit their first token; returns tokens emitted."""
         free = [s for s in range(self.cfg.num_slots) if self.slot_request[s] < 0]
+        emitted = 0
         while free and self.pending:
             s = free[0]
             rid, prompt, max_new = self.pending.popleft()
             first, done = self._prefill(s, rid, prompt, max_new)
             self._emit(rid, [first])
+            emitted += 1
             if done:
                 self.requests[rid].finished_by_stop = bool(np.isin(first, self.stop_ids))
                 continue
             free.pop(0)
             self.slot_request[s] = rid
             self.slot_length[s] = len(prompt)
+        return emitted
 
     def _prefill(self, slot: int, rid: int, prompt: list[int], max_new: int) -> tuple[int, bool]:
         """Chunked prefill of the prompt into ``slot`` (target cache and drafter context); first token."""
@@ -329,8 +339,8 @@ class Engine:
         drafting = self.drafter is not None
         shapes = 0
         longest = range(1, cap + 1)  # contexts grow during decoding: every window up to the capacity
-        windows = sorted({context_bucket(n + G + 1, cap) for n in longest})
-        draft_windows = sorted({context_bucket(n, cap) for n in longest})
+        windows = sorted({_window(n + G + 1, cap) for n in longest})
+        draft_windows = sorted({_window(n, cap) for n in longest})
         R = 1
         while True:
             if drafting:
@@ -359,23 +369,24 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ rounds
     def step(self) -> RoundStats | None:
         """Admit what fits, then run one round over the active requests. None when idle."""
-        self._admit()
+        t0 = time.perf_counter()
+        compiles = compile_count()
+        total = self._admit()
         active_slots = np.flatnonzero(self.slot_request >= 0)
         n = len(active_slots)
         if n == 0:
             return None
-        t0 = time.perf_counter()
         S, G = self.cfg.num_slots, self.G
         R = _pow2(n, S)
         longest = int(self.slot_length[active_slots].max())
-        window = context_bucket(longest + G + 1, self.cfg.capacity)
+        window = _window(longest + G + 1, self.cfg.capacity)
         temp = jnp.float32(self.cfg.temperature)
         drafting = self.drafter is not None
         if drafting:
             d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed, self.head_w,
                                     self.temps, self.sps, temp, seed=self.cfg.seed, capacity=self.cfg.capacity, R=R,
                                     policy=self.policy, greedy=self.greedy,
-                                    context=context_bucket(longest, self.cfg.capacity))
+                                    context=_window(longest, self.cfg.capacity))
             B = int(d.batch_tokens)  # the one value the host needs: it picks the token bucket
         else:
             d, B = None, n
@@ -389,7 +400,6 @@ class Engine:
             (out.emitted, out.counts, out.finished, out.accepted, out.new_lengths))
         lengths = np.asarray(d.lengths)[:n] if d is not None else np.zeros(n, np.int64)
         rows = _rows_host(self.slot_request >= 0)[:n]
-        total = 0
         for i, s in enumerate(rows):
             rid = int(self.slot_request[s])
             self._emit(rid, emitted[i, : counts[i]])
@@ -400,7 +410,8 @@ class Engine:
                 self.requests[rid].finished_by_stop = bool(np.isin(last, self.stop_ids))
                 self.slot_request[s] = -1
         stats = RoundStats(active=n, scheduled=lengths.astype(np.int64), accepted=accepted[:n].astype(np.int64),
-                           emitted=total, batch_tokens=B, padded_tokens=T, seconds=time.perf_counter() - t0)
+                           emitted=total, batch_tokens=B, padded_tokens=T, seconds=time.perf_counter() - t0,
+                           compiled=compile_count() != compiles)
         self.rounds.append(stats)
         return stats
 
@@ -421,13 +432,15 @@ class Engine:
             return {"rounds": 0}
         sched = np.concatenate([r.scheduled for r in self.rounds])
         acc = np.concatenate([r.accepted for r in self.rounds])
-        secs = sum(r.seconds for r in self.rounds)
-        emitted = sum(r.emitted for r in self.rounds)
+        steady = [r for r in self.rounds if not r.compiled]
+        secs = sum(r.seconds for r in steady)
+        emitted = sum(r.emitted for r in steady)
         return {
             "rounds": len(self.rounds),
-            "round_seconds": secs,
-            "emitted_tokens": emitted,
-            "tokens_per_s_rounds": emitted / secs if secs > 0 else float("nan"),
+            "compiled_rounds": len(self.rounds) - len(steady),
+            "steady_seconds": secs,
+            "emitted_tokens": sum(r.emitted for r in self.rounds),
+            "tokens_per_s": emitted / secs if secs > 0 else float("nan"),
             "mean_active": float(np.mean([r.active for r in self.rounds])),
             "drafts_per_request": float(sched.mean()),
             "accept_len": float(np.mean(acc + 1)),

@@ -16,7 +16,22 @@ import numpy as np
 
 from dspark_jax.sps import atomic_write_text
 
-__all__ = ["Timing", "time_call", "device_info", "write_json", "format_table"]
+__all__ = ["Timing", "time_call", "device_info", "write_json", "format_table", "compile_count"]
+
+_COMPILES = [0]
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compile_count() -> int:
+    """XLA backend compilations so far in this process (differences tell whether a block compiled)."""
+    return _COMPILES[0]
 
 
 @dataclasses.dataclass(frozen=True)

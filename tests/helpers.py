@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import contextlib
 
-import jax
-
-_COMPILES = [0]
-
-
-def _listener(event, duration, **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration":
-        _COMPILES[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_listener)
+from dspark_jax.timing import compile_count
 
 
 @contextlib.contextmanager
 def count_compilations():
     """Counts XLA backend compilations inside the block: ``with count_compilations() as n: ...; n()``."""
-    start = _COMPILES[0]
-    yield lambda: _COMPILES[0] - start
+    start = compile_count()
+    yield lambda: compile_count() - start

@@ -24,7 +24,7 @@ def test_generate_streams_and_writes_json(gguf_path, target, tmp_path, capsys, m
     monkeypatch.setattr(generate.LlamaModel, "from_gguf", classmethod(lambda cls, path=None: target))
     out = tmp_path / "out.json"
     report = generate.main(["--prompt", "What is the capital of France?", "--max-new-tokens", "12",
-                            "--json", str(out), "--model", str(gguf_path)])
+                            "--json", str(out), "--model", str(gguf_path), "--policy", "none"])
     streamed = capsys.readouterr()
     saved = json.loads(out.read_text(encoding="utf-8"))
     assert saved == json.loads(json.dumps(report))
@@ -40,6 +40,6 @@ def test_generate_streams_and_writes_json(gguf_path, target, tmp_path, capsys, m
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ["Say hi.", "Count to 3.", "x"]))
     report = generate.main(["--prompts", str(prompts), "--limit", "2", "--max-new-tokens", "6", "--quiet",
-                            "--temperature", "0.7", "--seed", "1"])
+                            "--temperature", "0.7", "--seed", "1", "--policy", "none"])
     assert [r["prompt"] for r in report["results"]] == ["Say hi.", "Count to 3."]
     assert all(1 <= len(r["output_ids"]) <= 6 for r in report["results"])

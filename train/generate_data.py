@@ -21,11 +21,12 @@ def main(argv=None):
     p.add_argument("--out", default="runs/data/responses")
     p.add_argument("--model", default=None, help="GGUF path (default: the cached SmolLM2-135M-Instruct)")
     p.add_argument("--limit", type=int, default=None, help="prompts per file")
-    p.add_argument("--max-new-tokens", type=int, default=384)
-    p.add_argument("--max-prompt-tokens", type=int, default=640)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.3, 1.0],
+                   help="sampling temperature of each chunk, in turn (0 = greedy)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slots", type=int, default=48)
+    p.add_argument("--slots", type=int, default=24)
     p.add_argument("--chunk", type=int, default=96, help="prompts per resumable chunk")
     p.add_argument("--shuffle-seed", type=int, default=0,
                    help="prompts are shuffled with this seed so that every prefix of chunks mixes the domains")
@@ -38,7 +39,7 @@ def main(argv=None):
     prompts = [prompts[i] for i in order]
     model = LlamaModel.from_gguf(args.model)
     files = generate_responses(model, prompts, args.out, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, seed=args.seed, num_slots=args.slots,
+                               temperatures=args.temperatures, seed=args.seed, num_slots=args.slots,
                                chunk_size=args.chunk, max_prompt_tokens=args.max_prompt_tokens)
     print(f"{len(files)} chunks in {args.out}")
 
