@@ -161,6 +161,8 @@ class RoundStats:
     padded_tokens: int  # T, the bucket B was padded to
     seconds: float  # wall time of the round: admissions (prefill) and both programs
     compiled: bool  # something compiled during the round (its time is not steady state)
+    confidences: np.ndarray | None = None  # [active, G] calibrated confidences (with record_confidences)
+    finished: int = 0  # requests that finished in the round (admission included)
 
 
 @dataclasses.dataclass
@@ -244,6 +246,8 @@ class Engine:
         self.pending: deque[tuple[int, list[int], int]] = deque()
         self.next_id = 0
         self.rounds: list[RoundStats] = []
+        self.finished_ids: list[int] = []  # in the order requests finished
+        self.record_confidences = False
         self.on_token: Callable[[int, int], None] | None = None
 
     # ------------------------------------------------------------------------------------------------ state
@@ -294,6 +298,7 @@ class Engine:
             emitted += 1
             if done:
                 self.requests[rid].finished_by_stop = bool(np.isin(first, self.stop_ids))
+                self.finished_ids.append(rid)
                 continue
             free.pop(0)
             self.slot_request[s] = rid
@@ -371,6 +376,7 @@ class Engine:
         """Admit what fits, then run one round over the active requests. None when idle."""
         t0 = time.perf_counter()
         compiles = compile_count()
+        finished_before = len(self.finished_ids)
         total = self._admit()
         active_slots = np.flatnonzero(self.slot_request >= 0)
         n = len(active_slots)
@@ -408,10 +414,14 @@ class Engine:
             if finished[i]:
                 last = emitted[i, counts[i] - 1]
                 self.requests[rid].finished_by_stop = bool(np.isin(last, self.stop_ids))
+                self.finished_ids.append(rid)
                 self.slot_request[s] = -1
+        seconds = time.perf_counter() - t0
+        conf = np.asarray(d.conf)[:n] if (self.record_confidences and d is not None) else None
         stats = RoundStats(active=n, scheduled=lengths.astype(np.int64), accepted=accepted[:n].astype(np.int64),
-                           emitted=total, batch_tokens=B, padded_tokens=T, seconds=time.perf_counter() - t0,
-                           compiled=compile_count() != compiles)
+                           emitted=total, batch_tokens=B, padded_tokens=T, seconds=seconds,
+                           compiled=compile_count() != compiles, confidences=conf,
+                           finished=len(self.finished_ids) - finished_before)
         self.rounds.append(stats)
         return stats
 

@@ -136,3 +136,48 @@ def plot_sps(table, out_png: str | os.PathLike, title: str = "") -> Path:
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
     return Path(out_png)
+
+
+def plot_serving(rows: Sequence[dict], out_dir: str | os.PathLike) -> list[Path]:
+    """Throughput and scheduled drafts against concurrency (paper fig. 8), throughput against per-user
+    speed (fig. 7); one figure per temperature."""
+    plt = _plt()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for temp in sorted({r["temperature"] for r in rows}):
+        rs = [r for r in rows if r["temperature"] == temp]
+        policies = list(dict.fromkeys(r["policy"] for r in rs))
+        fig, ax = plt.subplots(2, 1, figsize=(7, 8), sharex=True)
+        for pol in policies:
+            pts = sorted((r["concurrency"], r) for r in rs if r["policy"] == pol)
+            xs = [c for c, _ in pts]
+            ax[0].errorbar(xs, [r["tokens_per_s"] for _, r in pts], yerr=[r["tokens_per_s_spread"] for _, r in pts],
+                           marker="o", capsize=3, label=pol)
+            ax[1].plot(xs, [r["drafts_per_request"] for _, r in pts], marker="o", label=pol)
+        ax[0].set_ylabel("total output tokens/s")
+        ax[0].set_xscale("log", base=2)
+        ax[0].legend(fontsize=8)
+        ax[1].set_ylabel("scheduled drafts per request per round")
+        ax[1].set_xlabel("concurrent users")
+        fig.suptitle(f"throughput and verified length vs load (temperature {temp:g})")
+        fig.tight_layout()
+        path = out_dir / f"serving_load_t{temp:g}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+        fig, ax = plt.subplots(figsize=(7, 5))
+        for pol in policies:
+            pts = sorted((r["concurrency"], r) for r in rs if r["policy"] == pol)
+            ax.plot([r["tokens_per_s_per_user"] for _, r in pts], [r["tokens_per_s"] for _, r in pts], marker="o",
+                    label=pol)
+        ax.set_xlabel("tokens/s per user")
+        ax.set_ylabel("total output tokens/s")
+        ax.set_title(f"throughput against per-user speed (temperature {temp:g})")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"serving_tradeoff_t{temp:g}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,131 @@
+"""Serving benchmark: DSpark scheduling against plain decoding and fixed-length speculation across load.
+
+    python -m profiling.bench_serving --quick --json runs/serving_quick.json
+    python -m profiling.bench_serving --json runs/serving.json --plots runs/serving
+
+Closed loop: N users each send their next prompt (math, code and chat mixed) when their previous answer
+finishes. For every concurrency, temperature and policy: total output tokens/s (median over repeated
+measurement windows, spread = half their range), tokens/s per user, accepted length, mean scheduled drafts per
+request per round and the share of verified drafts rejected; ratios against `none` and the best fixed K of
+the same run. Rounds that compiled are excluded from the timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from dspark_jax.drafters import resolve_drafter
+from dspark_jax.engine import Engine, EngineConfig, parse_policy
+from dspark_jax.models.llama import LlamaModel
+from dspark_jax.plots import plot_serving
+from dspark_jax.serving import closed_loop, mixed_prompts, scheduling_quality
+from dspark_jax.sps import default_sps_table, load_sps_table
+from dspark_jax.timing import device_info, format_table, write_json
+
+FIXED = ("fixed:1", "fixed:3", "fixed:7")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="concurrency 1 and 16, few policies and rounds (< 1 min)")
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    p.add_argument("--plots", metavar="DIR", help="write the PNG figures into this folder")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--policies", nargs="+", default=["none", *FIXED, "threshold", "dspark", "dspark-async"],
+                   help="'threshold' means the best of --thresholds, swept at each point")
+    p.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.9])
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--warmup-rounds", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=24, help="rounds per measurement window")
+    p.add_argument("--repeats", type=int, default=3, help="measurement windows per point")
+    p.add_argument("--draft", default="dspark")
+    p.add_argument("--sps", help="SPS table JSON (default: the shipped CPU table)")
+    p.add_argument("--prompts", help="folder of JSONL prompts (default: ../shared/data/prompts/dev or shipped)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.temperatures = [1, 16], [0.0]
+        args.policies = ["none", "fixed:3", "dspark"]
+        args.max_new_tokens, args.warmup_rounds, args.rounds, args.repeats = 48, 3, 6, 2
+
+    t_start = time.perf_counter()
+    model = LlamaModel.from_gguf()
+    drafter, _, temps, _ = resolve_drafter(args.draft, target_cfg=model.cfg)
+    table = load_sps_table(args.sps, model="SmolLM2-135M-Instruct") if args.sps else default_sps_table()
+    sps = table.to_dense()
+    prompts = [ids for _, ids in mixed_prompts(model.tokenizer, args.prompts, max_prompt_tokens=args.max_prompt_tokens,
+                                              seed=args.seed)]
+    G = drafter.cfg.block
+    capacity = -(-(args.max_prompt_tokens + args.max_new_tokens + G + 1) // 128) * 128
+    info = device_info()
+    rows, quality = [], {}
+
+    def measure(policy_text, n, temp):
+        policy = parse_policy(policy_text)
+        cfg = EngineConfig(num_slots=n, capacity=capacity, temperature=temp, seed=args.seed)
+        engine = Engine(model, drafter if policy.drafts else None, policy, cfg, sts_temperatures=temps, sps=sps)
+        engine.record_confidences = policy.kind == "dspark"
+        res = closed_loop(engine, prompts, n, args.max_new_tokens, warmup_rounds=args.warmup_rounds,
+                          measure_rounds=args.rounds, repeats=args.repeats)
+        row = {"policy": policy_text, "concurrency": n, "temperature": temp, "tokens_per_s": res.tokens_per_s,
+               "tokens_per_s_spread": res.tokens_per_s_spread, "tokens_per_s_per_user": res.tokens_per_s / n,
+               "accept_len": res.accept_len, "drafts_per_request": res.drafts_per_request,
+               "rejected_share": res.rejected_share, "mean_batch_tokens": res.mean_batch_tokens,
+               "repeats": res.repeats, "steady_rounds": res.steady_rounds, "compiled_rounds": res.compiled_rounds}
+        print(f"  T={temp:g} N={n:3d} {policy_text:14s} {res.tokens_per_s:8.1f} tok/s (+-{res.tokens_per_s_spread:.1f})"
+              f"  accept {res.accept_len:.2f}  drafts/req {res.drafts_per_request:.2f}", flush=True)
+        if policy.kind == "dspark":
+            quality[(n, temp)] = scheduling_quality(res.rounds, sps)
+        return row
+
+    for temp in args.temperatures:
+        for n in args.concurrency:
+            point = []
+            for pol in args.policies:
+                if pol == "threshold":
+                    sweep = [measure(f"threshold:{c:g}", n, temp) for c in args.thresholds]
+                    best = max(sweep, key=lambda r: r["tokens_per_s"])
+                    for r in sweep:
+                        r["threshold_sweep"] = True
+                    point += sweep
+                    point.append(dict(best, policy="threshold:best", threshold=best["policy"], threshold_sweep=False))
+                else:
+                    point.append(measure(pol, n, temp))
+            base = next((r["tokens_per_s"] for r in point if r["policy"] == "none"), None)
+            fixed = [r for r in point if r["policy"].startswith("fixed:")]
+            best_fixed = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else None
+            for r in point:
+                r["ratio_vs_none"] = r["tokens_per_s"] / base if base else None
+                r["ratio_vs_best_fixed"] = r["tokens_per_s"] / best_fixed["tokens_per_s"] if best_fixed else None
+                r["best_fixed"] = best_fixed["policy"] if best_fixed else None
+                r.update(info)
+            rows += point
+    wall = time.perf_counter() - t_start
+    shown = [r for r in rows if not r.get("threshold_sweep")]
+    print()
+    print(f"{info['backend']} / {info['device_kind']} / {info['host']} / jax {info['jax_version']}; "
+          f"max_new_tokens {args.max_new_tokens}, {len(prompts)} prompts, wall {wall:.0f} s")
+    print(format_table(shown, ["temperature", "concurrency", "policy", "tokens_per_s", "tokens_per_s_spread",
+                               "tokens_per_s_per_user", "accept_len", "drafts_per_request", "rejected_share",
+                               "ratio_vs_none", "ratio_vs_best_fixed"]))
+    q = {f"N={n} T={t:g}": v for (n, t), v in quality.items()}
+    if q:
+        print("\nscheduling quality (expected throughput of first drop / best point of the greedy path):")
+        for k, v in q.items():
+            print(f"  {k}: {json.dumps(v)}")
+    if args.json:
+        write_json(args.json, {"rows": rows, "scheduling_quality": q, "wall_seconds": wall, "args": vars(args)})
+    if args.plots:
+        plot_serving(shown, args.plots)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
