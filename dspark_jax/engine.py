@@ -137,6 +137,7 @@ class DraftOut(NamedTuple):
     tokens: jax.Array  # int32 [R, G]
     probs: jax.Array  # float32 [R, G, W]
     conf: jax.Array  # float32 [R, G] calibrated per-token confidences
+    conf_logits: jax.Array  # float32 [R, G] the confidence head's raw logits
     lengths: jax.Array  # int32 [R] scheduled drafts
     batch_tokens: jax.Array  # int32 []
 
@@ -162,6 +163,7 @@ class RoundStats:
     seconds: float  # wall time of the round: admissions (prefill) and both programs
     compiled: bool  # something compiled during the round (its time is not steady state)
     confidences: np.ndarray | None = None  # [active, G] calibrated confidences (with record_confidences)
+    confidence_logits: np.ndarray | None = None  # [active, G] raw confidence logits (with record_confidences)
     finished: int = 0  # requests that finished in the round (admission included)
 
 
@@ -417,10 +419,12 @@ class Engine:
                 self.finished_ids.append(rid)
                 self.slot_request[s] = -1
         seconds = time.perf_counter() - t0
-        conf = np.asarray(d.conf)[:n] if (self.record_confidences and d is not None) else None
+        record = self.record_confidences and d is not None
+        conf = np.asarray(d.conf)[:n] if record else None
+        conf_logits = np.asarray(d.conf_logits)[:n] if record else None
         stats = RoundStats(active=n, scheduled=lengths.astype(np.int64), accepted=accepted[:n].astype(np.int64),
                            emitted=total, batch_tokens=B, padded_tokens=T, seconds=seconds,
-                           compiled=compile_count() != compiles, confidences=conf,
+                           compiled=compile_count() != compiles, confidences=conf, confidence_logits=conf_logits,
                            finished=len(self.finished_ids) - finished_before)
         self.rounds.append(stats)
         return stats
@@ -537,7 +541,7 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     lengths = jnp.clip(lengths, 0, jnp.minimum(remaining - 1, capacity - ctx_len - 1))
     lengths = jnp.where(row_valid, lengths, 0).astype(jnp.int32)
     batch = jnp.sum(jnp.where(row_valid, 1 + lengths, 0)).astype(jnp.int32)
-    return DraftOut(tokens, probs, conf, lengths, batch)
+    return DraftOut(tokens, probs, conf, conf_logits, lengths, batch)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "R", "T", "G", "window", "greedy", "drafting", "seed"),

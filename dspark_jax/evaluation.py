@@ -1,0 +1,77 @@
+"""Drafter evaluation: speculative decoding at a fixed block length through the engine, reporting the
+accepted length, per-position survival and conditional acceptance, and calibration of the confidence head."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from dspark_jax import calibration
+from dspark_jax.engine import Engine, EngineConfig, Policy, RoundStats
+
+
+def fixed_block_rounds(model, drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,
+                       concurrency: int = 8, seed: int = 0, sts_temperatures=None) -> tuple[list[RoundStats], Engine]:
+    """Decode ``prompts`` verifying the whole block every round (policy fixed:G), recording confidences."""
+    G = drafter.cfg.block
+    longest = max(len(p) for p in prompts)
+    capacity = -(-(longest + max_new_tokens + G + 1) // 128) * 128
+    cfg = EngineConfig(num_slots=concurrency, capacity=capacity, temperature=temperature, seed=seed)
+    engine = Engine(model, drafter, Policy("fixed", k=G), cfg, sts_temperatures=sts_temperatures)
+    engine.record_confidences = True
+    engine.run(prompts, max_new_tokens)
+    return engine.rounds, engine
+
+
+def pooled(rounds: Sequence[RoundStats]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(confidence logits [N, G], accepted [N], verified [N]) over every request-round."""
+    logits = np.concatenate([r.confidence_logits for r in rounds])
+    acc = np.concatenate([r.accepted for r in rounds])
+    ver = np.concatenate([r.scheduled for r in rounds])
+    return logits, acc, ver
+
+
+def acceptance_report(accepted: np.ndarray, verified: np.ndarray, block: int) -> dict:
+    """Accepted length tau (bonus included, pooled over rounds) and per-position survival and conditional
+    acceptance, over rounds that verified at least k drafts."""
+    accepted, verified = np.asarray(accepted), np.asarray(verified)
+    per = []
+    for k in range(1, block + 1):
+        seen = verified >= k
+        prev = seen & (accepted >= k - 1)
+        per.append({
+            "position": k,
+            "rounds": int(seen.sum()),
+            "survival": float(np.mean(accepted[seen] >= k)) if seen.any() else float("nan"),
+            "conditional": float(np.mean(accepted[prev] >= k)) if prev.any() else float("nan"),
+        })
+    return {"accept_len": float(np.mean(accepted + 1)), "rounds": int(len(accepted)), "per_position": per}
+
+
+def evaluate_rounds(rounds: Sequence[RoundStats], block: int, sts_temperatures=None) -> dict:
+    """Acceptance and calibration of recorded rounds (the JSON the evaluate command writes)."""
+    logits, acc, ver = pooled(rounds)
+    out = acceptance_report(acc, ver, block)
+    cal = calibration.calibration_report(logits, acc, ver, sts_temperatures)
+    for row, c in zip(out["per_position"], cal["per_position"]):
+        row.update({k: v for k, v in c.items() if k not in ("position", "n")})
+    out.update(ece_raw=cal["ece_raw"], brier_raw=cal["brier_raw"], auroc_raw=cal["auroc_raw"])
+    if sts_temperatures is not None:
+        out.update(ece_sts=cal["ece_sts"], brier_sts=cal["brier_sts"], auroc=cal["auroc_sts"],
+                   temperatures=cal["temperatures"])
+    else:
+        out.update(ece_sts=None, auroc=cal["auroc_raw"])
+    out["reliability_raw"] = cal["reliability_raw"]
+    if sts_temperatures is not None:
+        out["reliability_sts"] = cal["reliability_sts"]
+    return out
+
+
+def split_half(items: Sequence, half: str) -> list:
+    """Deterministic halves of a prompt list: ``calib`` (even positions), ``eval`` (odd), ``all``."""
+    if half == "all":
+        return list(items)
+    if half not in ("calib", "eval"):
+        raise ValueError(f"half: expected 'calib', 'eval' or 'all', got {half!r}")
+    return list(items[0 if half == "calib" else 1 :: 2])

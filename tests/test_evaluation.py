@@ -1,0 +1,39 @@
+"""Acceptance statistics of recorded rounds, and the evaluation path through the engine (tiny model)."""
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dspark_jax import evaluation
+from dspark_jax.models import drafter as dr
+from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
+
+
+def test_acceptance_report_by_hand():
+    accepted = np.array([0, 2, 3, 3, 1])
+    verified = np.array([3, 3, 3, 3, 2])
+    rep = evaluation.acceptance_report(accepted, verified, 3)
+    assert rep["accept_len"] == np.mean(accepted + 1) and rep["rounds"] == 5
+    s1, s2, s3 = (p["survival"] for p in rep["per_position"])
+    assert s1 == 4 / 5 and s2 == 3 / 5 and s3 == 2 / 4  # position 3 is seen by the four rounds that verified 3
+    c2 = rep["per_position"][1]["conditional"]
+    assert c2 == 3 / 4  # of the rounds that accepted >= 1 and verified >= 2
+
+
+def test_split_half():
+    items = list(range(7))
+    assert evaluation.split_half(items, "calib") == [0, 2, 4, 6]
+    assert evaluation.split_half(items, "eval") == [1, 3, 5]
+
+
+def test_fixed_block_rounds_record_everything():
+    cfg = LlamaConfig.tiny()
+    model = LlamaModel(cfg, init_random_weights(cfg, jax.random.key(0), scale=0.3), None)
+    d = dr.Drafter(dr.DrafterConfig.for_target(cfg, n_layers=1, ffn_dim=16, rank=4, block=3), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 64, size=6).tolist() for _ in range(4)]
+    rounds, _ = evaluation.fixed_block_rounds(model, d, prompts, max_new_tokens=10, temperature=1.0, concurrency=2)
+    rep = evaluation.evaluate_rounds(rounds, 3, np.ones(3))
+    assert rep["rounds"] == sum(r.active for r in rounds)
+    assert all(r.confidence_logits.shape == (r.active, 3) for r in rounds)
+    assert 1.0 <= rep["accept_len"] <= 4.0 and rep["ece_sts"] is not None
