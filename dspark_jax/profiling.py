@@ -4,10 +4,13 @@ A round is the drafter's block for every active request, then one packed verific
 Both are measured as the engine runs them, on the backend JAX selects (or the one asked for):
 
 * verification: ``llama.forward_packed`` with ``T`` tokens (a bucket), ``max_per_slot = G + 1``, a grid of
-  ``R`` rows (``row_slots``) and the attention window ``W = context_window(L, G, 128)``, every row holding
-  ``L`` committed tokens;
+  ``R`` rows (``row_slots``) and the attention window ``Wv = window(L + G + 1)``, every row holding ``L``
+  committed tokens;
 * drafting: ``drafter.draft`` for ``R`` rows (the module split once, a jitted pure function of its
-  state), with a drafter cache of ``W`` positions.
+  state) reading the window ``Wd = window(L)`` of its cache.
+
+``window`` is ``sps.context_window`` under a rule: ``"pow2"`` (default, the engine's: powers of two from
+128) or ``"step"`` (multiples of 128, ``llama.context_bucket``).
 
 Every measurement warms up (compilation excluded), blocks until ready, repeats and keeps the median and
 the spread (``timing.time_call``). Cache contents are zeros: no operation's cost depends on the values.
@@ -36,7 +39,7 @@ from tqdm import tqdm
 from dspark_jax.models.drafter import (Drafter, DrafterConfig, draft, draft_head_weights,
                                        init_drafter_cache)
 from dspark_jax.models.llama import BUCKETS, CONTEXT_STEP, LlamaConfig, LlamaWeights, forward_packed, init_cache
-from dspark_jax.sps import (CostModel, SPSMetadata, SPSPoint, SPSTable, context_window, realistic_rows)
+from dspark_jax.sps import CostModel, SPSMetadata, SPSPoint, SPSTable, realistic_rows, round_windows
 from dspark_jax.timing import Timing, time_call
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "verify_cells",
     "diagonal_cells",
     "random_drafter",
+    "verify_batch",
     "time_verify",
     "time_draft",
     "profile_cost_model",
@@ -59,7 +63,8 @@ __all__ = [
 ]
 
 DEFAULT_BLOCK = 7
-DEFAULT_CONTEXT_LENGTHS = (128, 512, 1024)
+# Tokens held per request: each fills a power-of-two window exactly (L + G + 1 = 128, 512, 1024 for G = 7).
+DEFAULT_CONTEXT_LENGTHS = (120, 504, 1016)
 DEFAULT_MAX_TOKENS = 512
 # The shipped drafter's shape (weights do not change the cost): 2 layers, FFN 1536, rank 64, 8192 draft tokens.
 SHIPPED_DRAFTER = dict(n_layers=2, ffn_dim=1536, rank=64, draft_vocab_size=8192)
@@ -185,28 +190,41 @@ def _device_of(x: jax.Array) -> jax.Device:
     return next(iter(x.devices()))
 
 
+def verify_batch(*, rows: int, batch_tokens: int, context: int, block: int, vocab_size: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The packed batch :func:`time_verify` runs: ``B = min(T, R * (G + 1))`` valid tokens dealt round-robin
+    over slots ``0..R-1`` at positions ``L, L + 1, ...``, then padding.
+
+    Returns:
+      tokens, slots, positions (int32 [T]) and valid (bool [T]).
+    """
+    idx = np.arange(batch_tokens)
+    n_valid = min(batch_tokens, rows * (block + 1))
+    tokens = (idx % vocab_size).astype(np.int32)
+    slots = (idx % rows).astype(np.int32)
+    positions = (context + np.minimum(idx // rows, block)).astype(np.int32)
+    return tokens, slots, positions, idx < n_valid
+
+
 def time_verify(weights: LlamaWeights, cfg: LlamaConfig, *, rows: int, batch_tokens: int, context: int,
-                block: int = DEFAULT_BLOCK, repeats: int = 5, warmup: int = 1,
+                block: int = DEFAULT_BLOCK, window_rule: str = "pow2", repeats: int = 5, warmup: int = 1,
                 max_seconds: float | None = None) -> Timing:
     """Seconds per packed verification of ``batch_tokens`` (T, padded size) over ``rows`` (R) requests that
     each hold ``context`` (L) tokens, as the engine runs it.
 
     ``B = min(T, R * (G + 1))`` tokens are valid, dealt round-robin over the rows (positions ``L, L + 1,
-    ...``); the rest is padding. The cache has R slots of ``W = context_window(L, G, 128)`` positions.
+    ...``); the rest is padding. The cache has R slots of ``Wv = window(L + G + 1)`` positions, all read.
     """
     if rows < 1 or batch_tokens < 1 or context < 0:
         raise ValueError(f"rows, batch_tokens >= 1 and context >= 0 expected, got {rows}, {batch_tokens}, {context}")
     M = block + 1
-    W = context_window(context, block, CONTEXT_STEP)
-    n_valid = min(batch_tokens, rows * M)
-    idx = np.arange(batch_tokens)
+    W, _ = round_windows(context, block, CONTEXT_STEP, window_rule)
     # Every input committed to the weights' device, as the donated cache returned by each call is: otherwise
     # the second call compiles again (committed and uncommitted arguments compile separately).
     put = functools.partial(jax.device_put, device=_device_of(weights.embed))
-    tokens = put(np.asarray(idx % cfg.vocab_size, np.int32))  # [T]
-    slots = put(np.asarray(idx % rows, np.int32))  # [T]
-    positions = put(np.asarray(context + np.minimum(idx // rows, M - 1), np.int32))  # [T]
-    valid = put(idx < n_valid)  # [T]
+    tokens, slots, positions, valid = (put(a) for a in verify_batch(rows=rows, batch_tokens=batch_tokens,
+                                                                     context=context, block=block,
+                                                                     vocab_size=cfg.vocab_size))
     row_slots = put(np.arange(rows, dtype=np.int32))  # [R]
     cache = init_cache(cfg, rows, W, weights.embed.dtype)
     state = {"cache": put(cache.replace(lengths=jnp.full((rows,), context, jnp.int32)))}
@@ -227,22 +245,23 @@ def _draft_step(graphdef):
     """``draft`` as a jitted pure function of the drafter's state (one per drafter structure, so equal
     shapes compile once per process)."""
 
-    @jax.jit
-    def run(params, cache, slots, ctx_len, anchors, keys, temperature, embed, head_w):
-        return draft(nnx.merge(graphdef, params), cache, slots, ctx_len, anchors, keys, temperature, embed, head_w)
+    @functools.partial(jax.jit, static_argnames=("context",))
+    def run(params, cache, slots, ctx_len, anchors, keys, temperature, embed, head_w, *, context):
+        return draft(nnx.merge(graphdef, params), cache, slots, ctx_len, anchors, keys, temperature, embed, head_w,
+                     context=context)
 
     return run
 
 
-def time_draft(drafter: Drafter, embed: jax.Array, *, rows: int, context: int, repeats: int = 5, warmup: int = 1,
-               max_seconds: float | None = None) -> Timing:
+def time_draft(drafter: Drafter, embed: jax.Array, *, rows: int, context: int, window_rule: str = "pow2",
+               repeats: int = 5, warmup: int = 1, max_seconds: float | None = None) -> Timing:
     """Seconds per drafted block for ``rows`` requests that each hold ``context`` tokens (sampling at
-    temperature 1; greedy costs the same: both branches are computed). The drafter cache has ``W =
-    context_window(L, G, 128)`` positions, the window the verification reads."""
+    temperature 1; greedy costs the same: both branches are computed). The drafter cache has ``Wd =
+    window(L)`` positions and ``draft`` reads them all (``context=Wd``, as the engine calls it)."""
     if rows < 1 or context < 0:
         raise ValueError(f"rows >= 1 and context >= 0 expected, got {rows}, {context}")
     cfg = drafter.cfg
-    W = context_window(context, cfg.block, CONTEXT_STEP)
+    _, W = round_windows(context, cfg.block, CONTEXT_STEP, window_rule)
     graphdef, params = nnx.split(drafter)
     head_w = draft_head_weights(drafter, embed)  # [D, W_vocab]
     run = _draft_step(graphdef)
@@ -250,13 +269,13 @@ def time_draft(drafter: Drafter, embed: jax.Array, *, rows: int, context: int, r
             jnp.full((rows,), context, jnp.int32), jnp.zeros((rows,), jnp.int32),
             jax.random.split(jax.random.key(0), rows), jnp.float32(1.0), embed, head_w)
     args = jax.device_put(args, _device_of(embed))
-    return time_call(lambda: run(*args), repeats=repeats, warmup=warmup, max_seconds=max_seconds)
+    return time_call(lambda: run(*args, context=W), repeats=repeats, warmup=warmup, max_seconds=max_seconds)
 
 
 def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter | None, *,
                        context_lengths: Sequence[int], batch_tokens: Sequence[int],
                        rows: Sequence[int] | None = None, cells: Sequence[tuple[int, int]] | None = None,
-                       block: int = DEFAULT_BLOCK, repeats: int = 5, warmup: int = 1,
+                       block: int = DEFAULT_BLOCK, window_rule: str = "pow2", repeats: int = 5, warmup: int = 1,
                        max_seconds: float | None = None, progress: bool = False) -> CostModel:
     """Measure a :class:`~dspark_jax.sps.CostModel`: the verification ``cells`` (default: every feasible
     cell, :func:`verify_cells`) and the drafter at every row count, at every context length.
@@ -269,6 +288,7 @@ def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter
       rows: row buckets (default :func:`row_buckets` of the largest bucket).
       cells: (rows, tokens) pairs to measure; the rows axis becomes the rows they use.
       block: G, drafted tokens per request (verification holds G + 1 per request).
+      window_rule: how the engine picks attention windows (``sps.context_window``).
       repeats, warmup, max_seconds: see ``timing.time_call``.
       progress: show a progress bar.
     """
@@ -278,12 +298,13 @@ def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter
     contexts = tuple(sorted(int(c) for c in context_lengths))
     if not contexts or contexts[0] < 0:
         raise ValueError(f"context_lengths: expected at least one length >= 0, got {list(context_lengths)}")
-    windows = tuple(context_window(c, block, CONTEXT_STEP) for c in contexts)
+    pairs = [round_windows(c, block, CONTEXT_STEP, window_rule) for c in contexts]
     for i in range(1, len(contexts)):
-        if windows[i] == windows[i - 1]:
-            raise ValueError(f"context lengths {contexts[i - 1]} and {contexts[i]} share the attention window "
-                             f"{windows[i]} (multiples of {CONTEXT_STEP} holding L + {block + 1} tokens): pick "
-                             f"lengths in different windows")
+        for k, what, holds in ((0, "verification", f"L + {block + 1}"), (1, "draft", "L")):
+            if pairs[i][k] == pairs[i - 1][k]:
+                raise ValueError(f"context lengths {contexts[i - 1]} and {contexts[i]} share the {what} window "
+                                 f"{pairs[i][k]} (it holds {holds} tokens, rule {window_rule!r}): pick lengths in "
+                                 f"different windows, e.g. W - {block + 1} for windows W")
     if cells is None:
         rows = tuple(sorted(rows)) if rows is not None else row_buckets(batch_tokens[-1], block)
         cells = verify_cells(rows, batch_tokens, block)
@@ -308,13 +329,16 @@ def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter
     for c, kind, r, t in bar:
         bar.set_postfix_str(f"L={contexts[c]} {kind} R={r}" + (f" T={t}" if kind == "verify" else ""))
         if kind == "draft":
-            tm = time_draft(drafter, weights.embed, rows=r, context=contexts[c], **timing_kw)
+            tm = time_draft(drafter, weights.embed, rows=r, context=contexts[c], window_rule=window_rule,
+                            **timing_kw)
             draft_s[c][r_index[r]], draft_spread[c][r_index[r]] = tm.median, tm.spread
         else:
-            tm = time_verify(weights, cfg, rows=r, batch_tokens=t, context=contexts[c], block=block, **timing_kw)
+            tm = time_verify(weights, cfg, rows=r, batch_tokens=t, context=contexts[c], block=block,
+                             window_rule=window_rule, **timing_kw)
             verify[c][r_index[r]][t_index[t]] = tm.median
             verify_spread[c][r_index[r]][t_index[t]] = tm.spread
-    return CostModel(block=block, context_step=CONTEXT_STEP, context_lengths=contexts, windows=windows, rows=rows,
+    return CostModel(block=block, context_step=CONTEXT_STEP, window_rule=window_rule, context_lengths=contexts,
+                     windows=[w for w, _ in pairs], draft_windows=[w for _, w in pairs], rows=rows,
                      batch_tokens=batch_tokens, verify_s=verify, verify_spread_s=verify_spread, draft_s=draft_s,
                      draft_spread_s=draft_spread)
 
@@ -333,6 +357,7 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
                       max_tokens: int = DEFAULT_MAX_TOKENS, batch_tokens: Sequence[int] | None = None,
                       reference_context: int | None = None,
                       rows: Sequence[int] | None = None, diagonal: bool = False, block: int = DEFAULT_BLOCK,
+                      window_rule: str = "pow2",
                       drafter: Drafter | None = None, with_drafter: bool = True, repeats: int = 5,
                       warmup: int = 1, max_seconds: float | None = None, device: jax.Device | None = None,
                       progress: bool = False, extra: dict[str, Any] | None = None) -> SPSTable:
@@ -368,7 +393,7 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
         else:
             cells = None
         cost = profile_cost_model(weights, cfg, drafter, context_lengths=contexts, batch_tokens=buckets, rows=rows,
-                                  cells=cells, block=block, repeats=repeats, warmup=warmup,
+                                  cells=cells, block=block, window_rule=window_rule, repeats=repeats, warmup=warmup,
                                   max_seconds=max_seconds, progress=progress)
     meta_extra = {
         "jax_version": jax.__version__,
@@ -376,6 +401,8 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
         "device_count": jax.device_count(device.platform),
         "context_lengths": list(cost.context_lengths),
         "windows": list(cost.windows),
+        "draft_windows": list(cost.draft_windows),
+        "window_rule": window_rule,
         "rows": list(cost.rows),
         "block": block,
         "repeats": repeats,

@@ -18,13 +18,16 @@ The dense table ends at the largest measured batch: larger batches are infeasibl
 The points are the simple case, one curve ``SPS(B)``. A table may also hold a :class:`CostModel`, the
 cost of a whole round measured on a grid (spec section 3, "Cost model")::
 
-    step_time(R, B, L) = draft(R, W(L)) + verify(R, bucket(B), W(L))
+    step_time(R, B, L) = draft(R, Wd(L)) + verify(R, bucket(B), Wv(L))
 
 with ``R`` the active requests (charged at the smallest measured row count ``>= R``, the engine's row
-bucket), ``B`` the verification tokens, ``L`` the longest context held by a request and
-``W(L) = ceil((L + G + 1) / step) * step`` the attention window the engine compiles. Between measured
-windows the step time is linear in ``W`` (attention reads ``R x W`` positions); beyond the largest it
-is extrapolated along the last segment (never downwards), below the smallest it is clamped.
+bucket), ``B`` the verification tokens, ``L`` the longest context held by a request, and the attention
+windows the engine compiles: ``Wv(L) = window(L + G + 1)`` for verification (the context and up to
+``G + 1`` new tokens) and ``Wd(L) = window(L)`` for the drafter, where ``window(n)`` is the smallest power
+of two ``>= max(n, 128)`` (rule ``"pow2"``, ``dspark_jax.engine``) or ``n`` rounded up to a multiple of
+128 (rule ``"step"``, ``llama.context_bucket``); see :func:`context_window`. Between measured windows
+each part is linear in its window (attention reads ``R x W`` positions); beyond the largest it is
+extrapolated along the last segment (never downwards), below the smallest it is clamped.
 :meth:`SPSTable.sps_for` gives the dense array for one ``(R, L)``; :func:`sps_from_cost` is the same
 inside ``jit`` with ``R`` and ``L`` as arrays, so an engine rebuilds the table every round without
 compiling again.
@@ -59,7 +62,9 @@ __all__ = [
     "DEFAULT_TABLE",
     "atomic_write_text",
     "check_writable",
+    "WINDOW_RULES",
     "context_window",
+    "round_windows",
     "realistic_rows",
     "sps_from_cost",
     "load_sps_table",
@@ -93,16 +98,39 @@ def realistic_rows(batch_tokens: int, *, max_rows: int = 64, tokens_per_request:
     return int(min(int(max_rows), 1 << (want - 1).bit_length()))
 
 
-def context_window(context_tokens, block: int, step: int):
-    """Attention window of a round whose longest request holds ``context_tokens``: room for the context
-    and ``block + 1`` new tokens, rounded up to a multiple of ``step`` (as ``llama.context_bucket``,
-    without the capacity cap). Works on Python ints, NumPy and JAX integer arrays.
+WINDOW_RULES = ("pow2", "step")
 
-    >>> context_window(128, 7, 128), context_window(120, 7, 128)
-    (256, 128)
+
+def context_window(n_tokens, step: int = 128, rule: str = "pow2"):
+    """The attention window that holds positions below ``n_tokens`` (no capacity cap).
+
+    ``rule="pow2"``: the smallest power of two ``>= max(n_tokens, step)`` (the engine's windows);
+    ``rule="step"``: ``n_tokens`` rounded up to a multiple of ``step``, at least ``step``
+    (``llama.context_bucket``). Works on Python ints and on JAX int32 arrays (inside ``jit``).
+
+    >>> context_window(136), context_window(128), context_window(136, rule="step")
+    (256, 128, 256)
     """
-    need = context_tokens + block + 1
-    return ((need + step - 1) // step) * step
+    if rule not in WINDOW_RULES:
+        raise ValueError(f"rule: expected one of {WINDOW_RULES}, got {rule!r}")
+    if isinstance(n_tokens, jax.Array):
+        n = jnp.maximum(n_tokens.astype(jnp.int32), step)
+        if rule == "step":
+            return ((n + step - 1) // step) * step
+        return jnp.left_shift(jnp.int32(1), 32 - lax.clz(n - 1))  # bit length of n - 1
+    n = max(int(n_tokens), step)
+    if rule == "step":
+        return -(-n // step) * step
+    return 1 << (n - 1).bit_length()
+
+
+def round_windows(context_tokens, block: int, step: int = 128, rule: str = "pow2"):
+    """``(verification window, draft window)`` of a round whose longest request holds ``context_tokens``.
+
+    >>> round_windows(120, 7), round_windows(128, 7)
+    ((128, 128), (256, 128))
+    """
+    return (context_window(context_tokens + block + 1, step, rule), context_window(context_tokens, step, rule))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +191,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def _nested(obj, depth: int):
-    """Lists (from JSON) -> nested tuples, ``depth`` levels deep."""
+    """Lists (from JSON) -> nested tuples, ``depth`` levels deep (NumPy scalars -> Python numbers)."""
     if depth == 0:
         if isinstance(obj, np.integer):
             return int(obj)
@@ -175,41 +203,66 @@ def _nested(obj, depth: int):
     return tuple(_nested(x, depth - 1) for x in obj)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _int_axis(name: str, values, *, minimum: int) -> None:
     if not values:
         raise ValueError(f"cost model: {name} must not be empty")
     prev = None
     for v in values:
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < minimum:
+        if not _is_int(v) or v < minimum:
             raise ValueError(f"cost model: {name} must hold integers >= {minimum}, got {v!r} in {list(values)}")
         if prev is not None and v <= prev:
             raise ValueError(f"cost model: {name} must be strictly increasing, got {list(values)}")
         prev = v
 
 
+def _window_mix(xp, windows, per_ctx, w):
+    """Value at window ``w`` from per-window values ``per_ctx`` [C, ...]: linear between measured windows,
+    clamped below the first, extrapolated along the last segment (slope >= 0) beyond the last."""
+    if per_ctx.shape[0] == 1:
+        return per_ctx[0]
+    i = xp.clip(xp.searchsorted(windows, w, side="right") - 1, 0, windows.shape[0] - 2)
+    w0, w1 = windows[i], windows[i + 1]
+    t0, t1 = per_ctx[i], per_ctx[i + 1]
+    frac = (w - w0) / (w1 - w0)
+    inside = xp.clip(frac, 0.0, 1.0)
+    beyond = xp.maximum(frac - 1.0, 0.0)
+    return t0 + inside * (t1 - t0) + beyond * xp.maximum(t1 - t0, 0.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     """Measured seconds per round on a grid: context length x rows x verification tokens.
 
-    Axes: ``context_lengths`` [C] (tokens held per request when measured) with the attention ``windows``
-    [C] the engine compiles for them (see :func:`context_window`), ``rows`` [R] (row buckets: a round
-    with ``r`` active requests runs at the smallest measured row count ``>= r``) and ``batch_tokens`` [T]
-    (padded verification sizes, the engine's buckets). ``block`` is G: verification holds at most
-    ``G + 1`` tokens per request, so ``B <= rows * (G + 1)``.
+    Axes: ``context_lengths`` [C] (tokens held per request when measured), with the attention windows
+    the engine compiles for them, ``windows`` [C] for verification and ``draft_windows`` [C] for the
+    drafter (:func:`round_windows` under ``window_rule`` and ``context_step``; both strictly increasing);
+    ``rows`` [R] (row buckets: a round with ``r`` active requests runs at the smallest measured row count
+    ``>= r``); ``batch_tokens`` [T] (padded verification sizes, the engine's buckets). ``block`` is G:
+    verification holds at most ``G + 1`` tokens per request, so ``B <= rows * (G + 1)``.
 
-    ``verify_s[c][r][t]`` is the median verification time (``None``: not measured; a round with ``r``
-    rows never needs ``B`` beyond ``rows * (G + 1)``, and a batch of ``t`` tokens needs more than
-    ``rows[r - 1]`` requests). Missing cells are filled conservatively (:meth:`filled_verify`): from the
-    next measured batch of the same row (padding up), else from the next larger row count at the same
-    batch. The largest row count must be measured at the largest batch, at every context length.
+    ``verify_s[c][r][t]`` is the median verification time (``None``: not measured; a round with
+    ``rows[r]`` rows never needs ``B`` beyond ``rows[r] * (G + 1)``, and a batch of ``t`` tokens needs
+    more than ``rows[r - 1]`` requests). Missing cells are filled conservatively (:meth:`filled_verify`):
+    from the next measured batch of the same row (padding up), else from the next larger row count at the
+    same batch. The largest row count must be measured at the largest batch, at every context length.
     ``draft_s[c][r]`` is the drafter's time for a block of every row (0 when no drafter was measured).
     Spreads are half the interquartile range of the repeats, in seconds.
     """
 
     block: int
     context_step: int
+    window_rule: str
     context_lengths: tuple[int, ...]
     windows: tuple[int, ...]
+    draft_windows: tuple[int, ...]
     rows: tuple[int, ...]
     batch_tokens: tuple[int, ...]
     verify_s: tuple  # [C][R][T] float or None
@@ -217,9 +270,11 @@ class CostModel:
     draft_s: tuple  # [C][R] float
     draft_spread_s: tuple  # [C][R] float
 
+    _DEPTHS = {"context_lengths": 1, "windows": 1, "draft_windows": 1, "rows": 1, "batch_tokens": 1,
+               "verify_s": 3, "verify_spread_s": 3, "draft_s": 2, "draft_spread_s": 2}
+
     def __post_init__(self):
-        for name, depth in (("context_lengths", 1), ("windows", 1), ("rows", 1), ("batch_tokens", 1),
-                            ("verify_s", 3), ("verify_spread_s", 3), ("draft_s", 2), ("draft_spread_s", 2)):
+        for name, depth in self._DEPTHS.items():
             try:
                 object.__setattr__(self, name, _nested(getattr(self, name), depth))
             except TypeError as e:
@@ -230,28 +285,31 @@ class CostModel:
     def validate(self) -> None:
         for name in ("block", "context_step"):
             v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise ValueError(f"cost model: {name} must be an integer >= 1, got {v!r}")
+        if self.window_rule not in WINDOW_RULES:
+            raise ValueError(f"cost model: window_rule must be one of {WINDOW_RULES}, got {self.window_rule!r}")
         _int_axis("context_lengths", self.context_lengths, minimum=0)
-        _int_axis("windows", self.windows, minimum=1)
         _int_axis("rows", self.rows, minimum=1)
         _int_axis("batch_tokens", self.batch_tokens, minimum=1)
         C, R, T = len(self.context_lengths), len(self.rows), len(self.batch_tokens)
-        if len(self.windows) != C:
-            raise ValueError(f"cost model: windows needs one entry per context length ({C}), got {len(self.windows)}")
-        for L, W in zip(self.context_lengths, self.windows):
-            if W <= L:
-                raise ValueError(f"cost model: window {W} must exceed its context length {L}")
+        want = [round_windows(L, self.block, self.context_step, self.window_rule) for L in self.context_lengths]
+        for name, k in (("windows", 0), ("draft_windows", 1)):
+            have = list(getattr(self, name))
+            expect = [w[k] for w in want]
+            if have != expect:
+                raise ValueError(f"cost model: {name} must be {expect} for context lengths {list(self.context_lengths)} "
+                                 f"(rule {self.window_rule!r}, step {self.context_step}, block {self.block}), got {have}")
+            _int_axis(name, have, minimum=1)
         for name, shape in (("verify_s", (C, R, T)), ("verify_spread_s", (C, R, T)), ("draft_s", (C, R)),
                             ("draft_spread_s", (C, R))):
             self._check_shape(name, getattr(self, name), shape)
         for c, L in enumerate(self.context_lengths):
             for r, rows in enumerate(self.rows):
-                where = f"(context {L}, rows {rows})"
                 d, ds = self.draft_s[c][r], self.draft_spread_s[c][r]
                 if not _finite(d) or d < 0 or not _finite(ds) or ds < 0:
-                    raise ValueError(f"cost model: draft_s[{c}][{r}] {where} and its spread must be finite and "
-                                     f">= 0, got {d!r} and {ds!r}")
+                    raise ValueError(f"cost model: draft_s[{c}][{r}] (context {L}, rows {rows}) and its spread must "
+                                     f"be finite and >= 0, got {d!r} and {ds!r}")
                 for t, b in enumerate(self.batch_tokens):
                     v, vs = self.verify_s[c][r][t], self.verify_spread_s[c][r][t]
                     at = f"verify_s[{c}][{r}][{t}] (context {L}, rows {rows}, B {b})"
@@ -297,7 +355,7 @@ class CostModel:
         C, R, T = raw.shape
         for c in range(C):
             for r in range(R - 1, -1, -1):
-                nxt = None  # index of the next measured batch of this row
+                nxt = None  # the next measured batch of this row
                 for t in range(T - 1, -1, -1):
                     if not np.isnan(raw[c, r, t]):
                         nxt = (c, r, t)
@@ -306,60 +364,64 @@ class CostModel:
                     raw[c, r, t], spread[c, r, t] = raw[src], spread[src]
         return raw, spread
 
-    def step_grid(self, interpolation: str = "linear") -> np.ndarray:
-        """Round seconds ``draft + verify`` for every batch ``b = 0..max_tokens``: float64 [C, R, N]."""
+    def verify_grid(self, interpolation: str = "linear") -> np.ndarray:
+        """Verification seconds for every batch ``b = 0..max_tokens``: float64 [C, R, N]."""
         if interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation: expected one of {INTERPOLATIONS}, got {interpolation!r}")
         verify, _ = self.filled_verify()
         xs = np.asarray(self.batch_tokens, np.float64)
         b = np.arange(self.max_tokens + 1, dtype=np.float64)
-        dense = np.stack([np.stack([_interpolate(xs, row, b, interpolation) for row in ctx]) for ctx in verify])
-        return dense + np.asarray(self.draft_s, np.float64)[:, :, None]
+        return np.stack([np.stack([_interpolate(xs, row, b, interpolation) for row in ctx]) for ctx in verify])
+
+    def windows_for(self, context_tokens: int) -> tuple[int, int]:
+        """``(verification window, draft window)`` of a round whose longest request holds ``context_tokens``."""
+        return round_windows(int(context_tokens), self.block, self.context_step, self.window_rule)
 
     def curve(self, context_tokens: int, *, tokens_per_request: int = 4) -> dict[str, np.ndarray]:
         """The simple curve at one context: each measured batch ``B`` with :func:`realistic_rows` rows.
 
-        Returns float64 arrays [T] (``rows`` and ``batch_tokens`` int64): ``verify_s``, ``draft_s``,
-        ``step_s`` (their sum) and ``spread_s`` (sum of the two spreads, an upper bound).
+        Returns arrays [T]: ``batch_tokens`` and ``rows`` (int64); ``verify_s``, ``draft_s``, ``step_s`` (their
+        sum) and ``spread_s`` (the sum of the two spreads, an upper bound), float64 seconds.
         """
         verify, vspread = self.filled_verify()
         draft, dspread = np.asarray(self.draft_s, np.float64), np.asarray(self.draft_spread_s, np.float64)
-        windows = np.asarray(self.windows, np.float64)
-        w = float(context_window(int(context_tokens), self.block, self.context_step))
-        mix = lambda per_ctx: float(_window_mix(np, windows, per_ctx, w))
+        wv, wd = self.windows_for(context_tokens)
+        mix_v = lambda x: float(_window_mix(np, np.asarray(self.windows, np.float64), x, float(wv)))
+        mix_d = lambda x: float(_window_mix(np, np.asarray(self.draft_windows, np.float64), x, float(wd)))
         out = {k: [] for k in ("batch_tokens", "rows", "verify_s", "draft_s", "step_s", "spread_s")}
         for t, b in enumerate(self.batch_tokens):
             rows = realistic_rows(b, max_rows=self.rows[-1], tokens_per_request=tokens_per_request)
             r = int(np.searchsorted(np.asarray(self.rows), rows, side="left"))
-            v, d = mix(verify[:, r, t]), mix(draft[:, r])
+            v, d = mix_v(verify[:, r, t]), mix_d(draft[:, r])
             out["batch_tokens"].append(b)
             out["rows"].append(rows)
             out["verify_s"].append(v)
             out["draft_s"].append(d)
             out["step_s"].append(v + d)
-            out["spread_s"].append(mix(vspread[:, r, t]) + mix(dspread[:, r]))
+            out["spread_s"].append(mix_v(vspread[:, r, t]) + mix_d(dspread[:, r]))
         return {k: np.asarray(v) for k, v in out.items()}
 
     def check_query(self, num_requests, context_tokens) -> None:
         """``ValueError`` unless ``1 <= num_requests <= rows[-1]`` and ``context_tokens >= 0`` (integers)."""
-        if not isinstance(num_requests, (int, np.integer)) or isinstance(num_requests, bool):
+        if not _is_int(num_requests):
             raise ValueError(f"num_requests: expected an integer, got {num_requests!r}")
         if not 1 <= num_requests <= self.rows[-1]:
             raise ValueError(f"num_requests: expected 1..{self.rows[-1]} (the largest profiled row count), got "
                              f"{num_requests}; profile more rows rather than extrapolating")
-        if not isinstance(context_tokens, (int, np.integer)) or isinstance(context_tokens, bool) or context_tokens < 0:
+        if not _is_int(context_tokens) or context_tokens < 0:
             raise ValueError(f"context_tokens: expected an integer >= 0, got {context_tokens!r}")
 
     def step_times(self, num_requests: int, context_tokens: int, *, interpolation: str = "linear",
                    envelope: bool = False) -> np.ndarray:
-        """Round seconds for ``b = 0..max_tokens`` at ``num_requests`` active requests whose longest
-        context is ``context_tokens`` tokens: float64 [max_tokens + 1] (NumPy twin of :func:`sps_from_cost`)."""
+        """Round seconds for ``b = 0..max_tokens`` at ``num_requests`` active requests whose longest holds
+        ``context_tokens`` tokens: float64 [max_tokens + 1] (the NumPy twin of :func:`sps_from_cost`)."""
         self.check_query(num_requests, context_tokens)
-        grid = self.step_grid(interpolation)
         r = int(np.searchsorted(np.asarray(self.rows), num_requests, side="left"))
-        per_ctx = grid[:, r, :]  # [C, N]
-        w = float(context_window(int(context_tokens), self.block, self.context_step))
-        t = _window_mix(np, np.asarray(self.windows, np.float64), per_ctx, w)
+        wv, wd = self.windows_for(context_tokens)
+        verify = _window_mix(np, np.asarray(self.windows, np.float64), self.verify_grid(interpolation)[:, r, :],
+                             float(wv))
+        draft = _window_mix(np, np.asarray(self.draft_windows, np.float64), np.asarray(self.draft_s)[:, r], float(wd))
+        t = verify + draft
         if envelope:
             t = np.minimum.accumulate(t[::-1])[::-1]
         return t
@@ -367,17 +429,15 @@ class CostModel:
     def arrays(self, interpolation: str = "linear") -> "CostArrays":
         """The model as device arrays for :func:`sps_from_cost` (build once, reuse every round)."""
         return CostArrays(windows=jnp.asarray(self.windows, jnp.float32),
+                          draft_windows=jnp.asarray(self.draft_windows, jnp.float32),
                           rows=jnp.asarray(self.rows, jnp.int32),
-                          step_s=jnp.asarray(self.step_grid(interpolation), jnp.float32),
-                          block=int(self.block), context_step=int(self.context_step))
+                          verify_s=jnp.asarray(self.verify_grid(interpolation), jnp.float32),
+                          draft_s=jnp.asarray(self.draft_s, jnp.float32),
+                          block=int(self.block), context_step=int(self.context_step), window_rule=self.window_rule)
 
     # ------------------------------------------------------------------ serialisation
     def to_json(self) -> dict[str, Any]:
-        out = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = json.loads(json.dumps(v))  # nested tuples -> lists
-        return out
+        return {f.name: json.loads(json.dumps(getattr(self, f.name))) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_json(cls, obj: Any, *, source: str = "cost model") -> "CostModel":
@@ -394,43 +454,29 @@ class CostModel:
             raise ValueError(f"{source}: {e}") from None
 
 
-def _finite(x) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _window_mix(xp, windows, per_ctx, w):
-    """Step time at window ``w`` from per-window rows ``per_ctx`` [C, N]: linear between measured windows,
-    clamped below the first, extrapolated along the last segment (slope >= 0) beyond the last."""
-    if per_ctx.shape[0] == 1:
-        return per_ctx[0]
-    i = xp.clip(xp.searchsorted(windows, w, side="right") - 1, 0, windows.shape[0] - 2)
-    w0, w1 = windows[i], windows[i + 1]
-    t0, t1 = per_ctx[i], per_ctx[i + 1]
-    frac = (w - w0) / (w1 - w0)
-    inside = xp.clip(frac, 0.0, 1.0)
-    beyond = xp.maximum(frac - 1.0, 0.0)
-    return t0 + inside * (t1 - t0) + beyond * xp.maximum(t1 - t0, 0.0)
-
-
 @dataclasses.dataclass(frozen=True)
 class CostArrays:
-    """:class:`CostModel` as arrays (a pytree; ``block`` and ``context_step`` are static).
+    """:class:`CostModel` as arrays (a pytree; ``block``, ``context_step`` and ``window_rule`` are static).
 
     Attributes:
-      windows: float32 [C] measured attention windows.
+      windows, draft_windows: float32 [C] measured verification and draft windows.
       rows: int32 [R] measured row counts (row buckets).
-      step_s: float32 [C, R, N] round seconds (draft + verify) for ``b = 0..N-1`` batch tokens.
+      verify_s: float32 [C, R, N] verification seconds for ``b = 0..N-1`` batch tokens.
+      draft_s: float32 [C, R] draft seconds.
     """
 
     windows: jax.Array
+    draft_windows: jax.Array
     rows: jax.Array
-    step_s: jax.Array
+    verify_s: jax.Array
+    draft_s: jax.Array
     block: int
     context_step: int
+    window_rule: str
 
 
-jax.tree_util.register_dataclass(CostArrays, data_fields=["windows", "rows", "step_s"],
-                                 meta_fields=["block", "context_step"])
+jax.tree_util.register_dataclass(CostArrays, data_fields=["windows", "draft_windows", "rows", "verify_s", "draft_s"],
+                                 meta_fields=["block", "context_step", "window_rule"])
 
 
 @functools.partial(jax.jit, static_argnames=("envelope",))
@@ -441,7 +487,7 @@ def sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_tokens: jax
     ``num_requests`` and ``context_tokens`` are arrays, so a new load never compiles again. The rows are
     charged at the smallest measured row count ``>= num_requests`` (contract: ``1 <= num_requests <=
     rows[-1]``, checked on the host by :meth:`CostModel.check_query`; larger values are charged as the
-    largest row count). Windows: see :func:`context_window` and the module docstring.
+    largest row count). Windows: :func:`round_windows` and the module docstring.
 
     Args:
       cost: :class:`CostArrays` from :meth:`CostModel.arrays` (or :meth:`SPSTable.cost_arrays`).
@@ -450,20 +496,22 @@ def sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_tokens: jax
       envelope: replace step time by its suffix minimum over ``b`` (non-increasing steps/s).
 
     Returns:
-      float32 [N], ``sps[b] = 1 / (draft(R, L) + verify(R, b, L))``.
+      float32 [N], ``sps[b] = 1 / (draft(R, Wd(L)) + verify(R, b, Wv(L)))``.
 
-    >>> cm = CostModel(block=1, context_step=128, context_lengths=(0, 200), windows=(128, 256), rows=(1, 2),
-    ...                batch_tokens=(2, 4), verify_s=(((1.0, None), (1.0, 2.0)), ((2.0, None), (2.0, 4.0))),
+    >>> cm = CostModel(block=1, context_step=128, window_rule="pow2", context_lengths=(0, 200),
+    ...                windows=(128, 256), draft_windows=(128, 256), rows=(1, 2), batch_tokens=(2, 4),
+    ...                verify_s=(((1.0, None), (1.0, 2.0)), ((2.0, None), (2.0, 4.0))),
     ...                verify_spread_s=(((0.0, None), (0.0, 0.0)), ((0.0, None), (0.0, 0.0))),
     ...                draft_s=((0.0, 0.0), (0.0, 0.0)), draft_spread_s=((0.0, 0.0), (0.0, 0.0)))
     >>> [round(x, 4) for x in sps_from_cost(cm.arrays(), jnp.int32(2), jnp.int32(0)).tolist()]
     [1.0, 1.0, 1.0, 0.6667, 0.5]
     """
-    windows, rows, step_s = cost.windows, cost.rows, cost.step_s
-    r = jnp.clip(jnp.searchsorted(rows, jnp.asarray(num_requests, jnp.int32), side="left"), 0, rows.shape[0] - 1)
-    per_ctx = step_s[:, r, :]  # [C, N]
-    w = context_window(jnp.asarray(context_tokens, jnp.int32), cost.block, cost.context_step).astype(jnp.float32)
-    t = _window_mix(jnp, windows, per_ctx, w)
+    num = jnp.asarray(num_requests, jnp.int32)
+    r = jnp.clip(jnp.searchsorted(cost.rows, num, side="left"), 0, cost.rows.shape[0] - 1)
+    wv, wd = round_windows(jnp.asarray(context_tokens, jnp.int32), cost.block, cost.context_step, cost.window_rule)
+    verify = _window_mix(jnp, cost.windows, cost.verify_s[:, r, :], wv.astype(jnp.float32))  # [N]
+    draft = _window_mix(jnp, cost.draft_windows, cost.draft_s[:, r], wd.astype(jnp.float32))  # []
+    t = verify + draft
     if envelope:
         t = lax.cummin(t, axis=0, reverse=True)
     return (1.0 / t).astype(jnp.float32)

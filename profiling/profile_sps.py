@@ -27,18 +27,21 @@ QUICK_BUCKETS = (8, 32, 128, 256, 512, 1024)
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one context (128), buckets 8/32/128/256, 2 repeats")
+    p.add_argument("--quick", action="store_true", help="one context (120), buckets 8/32/128/256, 2 repeats")
     p.add_argument("--out", type=Path, help=f"JSON table (default {DEFAULT_OUT}); the PNG goes beside it")
     p.add_argument("--png", type=Path, help="plot path (default: --out with .png)")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
     p.add_argument("--max-tokens", type=int, help="largest verification batch B (default 512; --quick 256)")
     p.add_argument("--context-lengths", type=int, nargs="+",
-                   help="tokens held per request (default 128 512 1024; --quick 128)")
+                   help="tokens held per request (default 120 504 1016, filling the windows 128, 512, 1024; "
+                        "--quick 120)")
     p.add_argument("--reference-context", type=int, help="context of the simple SPS(B) points (default: smallest)")
     p.add_argument("--rows", type=int, nargs="+", help="row buckets (default: powers of two up to max-tokens / 8)")
     p.add_argument("--repeats", type=int, help="timed calls per cell (default 5; --quick 2)")
     p.add_argument("--max-seconds", type=float, help="stop repeating a cell after this long (>= 3 repeats)")
     p.add_argument("--block", type=int, default=profiling.DEFAULT_BLOCK, help="drafted tokens per request G")
+    p.add_argument("--window-rule", choices=("pow2", "step"), default="pow2",
+                   help="attention windows: powers of two from 128 (the engine) or multiples of 128")
     p.add_argument("--no-drafter", action="store_true", help="record no draft cost")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, help="GGUF path (default: the cached SmolLM2-135M-Instruct)")
@@ -74,7 +77,8 @@ def main(argv=None):
     if png is not None:
         check_writable(png)
     max_tokens = args.max_tokens or (256 if args.quick else profiling.DEFAULT_MAX_TOKENS)
-    contexts = args.context_lengths or ((128,) if args.quick else profiling.DEFAULT_CONTEXT_LENGTHS)
+    contexts = args.context_lengths or (profiling.DEFAULT_CONTEXT_LENGTHS[:1] if args.quick
+                                        else profiling.DEFAULT_CONTEXT_LENGTHS)
     repeats = args.repeats or (2 if args.quick else 5)
     buckets = profiling.token_buckets(max_tokens)
     if args.quick:
@@ -88,6 +92,7 @@ def main(argv=None):
     table = profiling.profile_sps_table(
         weights, cfg, model=name, context_lengths=contexts,
         reference_context=args.reference_context, rows=args.rows, diagonal=args.quick, block=args.block,
+        window_rule=args.window_rule,
         with_drafter=not args.no_drafter, repeats=repeats, max_seconds=args.max_seconds, device=device,
         progress=True, extra={"quick": args.quick}, batch_tokens=buckets)
     table.save(out)

@@ -1,0 +1,439 @@
+"""SPS profiling: the cost model in tables (round trip, validation, fill rules, interpolation, envelope), the
+jitted sps_from_cost against the NumPy sps_for, the profiler's cells and batches, a real quick profile of a
+tiny model on the CPU, and the script's early errors."""
+
+import datetime
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax import profiling, scheduler
+from dspark_jax.models.llama import bucket_for, check_packed, context_bucket, init_cache, LlamaConfig
+from dspark_jax.plots import plot_sps
+from dspark_jax.sps import (CostModel, SPSMetadata, SPSTable, context_window, default_sps_table, load_sps_table,
+                            realistic_rows, round_windows, sps_from_cost)
+from profiling import profile_sps
+from tests.helpers import count_compilations
+
+G = 7
+
+
+# ----------------------------------------------------------------------------------------------------
+# Synthetic cost models: affine in the windows, so linear interpolation between windows is exact.
+
+
+def verify_true(R, T, W):
+    return 1e-3 * (1.0 + 0.5 * T + 0.01 * R * W)
+
+
+def draft_true(R, W):
+    return 1e-3 * (2.0 + 0.02 * R * W)
+
+
+def synthetic(rows=(1, 2, 4), batch=(8, 16, 32), contexts=(120, 504), cells=None, rule="pow2", block=G):
+    wins = [round_windows(L, block, 128, rule) for L in contexts]
+    measured = set(cells) if cells is not None else {(r, t) for r in rows for t in batch}
+    verify = [[[verify_true(r, t, wv) if (r, t) in measured else None for t in batch] for r in rows]
+              for wv, _ in wins]
+    spread = [[[None if v is None else 0.1 * v for v in row] for row in ctx] for ctx in verify]
+    draft = [[draft_true(r, wd) for r in rows] for _, wd in wins]
+    return CostModel(block=block, context_step=128, window_rule=rule, context_lengths=contexts,
+                     windows=[w for w, _ in wins], draft_windows=[w for _, w in wins], rows=rows, batch_tokens=batch,
+                     verify_s=verify, verify_spread_s=spread, draft_s=draft,
+                     draft_spread_s=[[0.0] * len(rows) for _ in contexts])
+
+
+def table_with(cm, **meta):
+    pts = profiling.sps_points(cm, cm.context_lengths[0])
+    return SPSTable(pts, SPSMetadata(**meta), cm)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Windows
+
+
+def test_context_window_rules():
+    n = np.arange(0, 3000)
+    pow2 = [context_window(int(x)) for x in n]
+    want = [max(128, 1 << (max(int(x), 1) - 1).bit_length()) for x in n]
+    assert pow2 == want
+    assert [context_window(int(x), rule="step") for x in n] == [context_bucket(int(x), 10**9) for x in n]
+    for rule in ("pow2", "step"):
+        jitted = jax.jit(jax.vmap(lambda x: context_window(x, 128, rule)))(jnp.asarray(n, jnp.int32))
+        np.testing.assert_array_equal(np.asarray(jitted), [context_window(int(x), rule=rule) for x in n])
+    with pytest.raises(ValueError, match="rule"):
+        context_window(5, rule="cubic")
+    assert round_windows(1016, G) == (1024, 1024) and round_windows(1017, G) == (2048, 1024)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Table round trip and validation
+
+
+def test_round_trip_with_cost_model(tmp_path):
+    cm = synthetic(cells=profiling.verify_cells((1, 2, 4), (8, 16, 32), G))
+    t = table_with(cm, device_kind="cpu", backend="cpu", model="m", dtype="float32", context_length=120,
+                   date="2026-11-29", extra={"rows": [1, 2, 4]})
+    path = tmp_path / "t.json"
+    t.save(path)
+    obj = json.loads(path.read_text())
+    assert obj["cost_model"]["verify_s"][0][0][1] is None  # unmeasured cells are null
+    back = SPSTable.load(path)
+    assert back == t and back.cost_model == cm
+    np.testing.assert_array_equal(back.sps_for(3, 300), t.sps_for(3, 300))
+
+
+def test_tables_without_cost_model_stay_as_they_were(tmp_path):
+    t = SPSTable.from_arrays((1, 8), (10.0, 5.0))
+    assert t.cost_model is None and "cost_model" not in t.to_json()
+    path = tmp_path / "old.json"
+    t.save(path)
+    assert SPSTable.load(path) == t
+    with pytest.raises(ValueError, match="no cost model"):
+        t.sps_for(1, 100)
+    with pytest.raises(ValueError, match="no cost model"):
+        t.cost_arrays()
+
+
+def _mutate(obj, path, value):
+    cur = obj
+    for k in path[:-1]:
+        cur = cur[k]
+    cur[path[-1]] = value
+
+
+@pytest.mark.parametrize(
+    "path,value,match",
+    [
+        (("rows",), [1, 4, 2], "rows must be strictly increasing"),
+        (("batch_tokens",), [8, 16, 0], "batch_tokens must hold integers >= 1"),
+        (("windows",), [128, 256], r"windows must be \[128, 512\]"),
+        (("window_rule",), "cubic", "window_rule must be one of"),
+        (("block",), 0, "block must be an integer >= 1"),
+        (("verify_s", 1), [[1.0, 1.0, 1.0]], r"verify_s\[1\] must have 3 entries"),
+        (("verify_s", 0, 1, 2), -1.0, r"verify_s\[0\]\[1\]\[2\] \(context 120, rows 2, B 32\) must be finite and > 0"),
+        (("verify_s", 0, 2, 2), None, "must be measured: the largest row count at the largest batch"),
+        (("verify_spread_s", 0, 0, 0), None, "spread of verify_s"),
+        (("draft_s", 1, 0), float("nan"), r"draft_s\[1\]\[0\] \(context 504, rows 1\)"),
+    ],
+)
+def test_cost_model_validation_errors(tmp_path, path, value, match):
+    obj = table_with(synthetic()).to_json()
+    _mutate(obj["cost_model"], path, value)
+    if path[0] == "verify_s" and value is None:  # an unmeasured cell has no spread either
+        _mutate(obj["cost_model"], ("verify_spread_s", *path[1:]), None)
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps(obj))
+    with pytest.raises(ValueError, match=match):
+        SPSTable.load(f)
+
+
+def test_unmeasured_cell_with_spread_and_json_shape_errors(tmp_path):
+    obj = table_with(synthetic()).to_json()
+    obj["cost_model"]["verify_s"][0][0][0] = None
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps(obj))
+    with pytest.raises(ValueError, match="is not measured but has a spread"):
+        SPSTable.load(f)
+    obj = table_with(synthetic()).to_json()
+    obj["cost_model"]["colour"] = 1
+    f.write_text(json.dumps(obj))
+    with pytest.raises(ValueError, match=r"unknown \['colour'\]"):
+        SPSTable.load(f)
+    obj = table_with(synthetic()).to_json()
+    obj["points"] = obj["points"][:-1]  # points end at 16, the cost model at 32
+    f.write_text(json.dumps(obj))
+    with pytest.raises(ValueError, match="points end at B=16 but the cost model at B=32"):
+        SPSTable.load(f)
+    with pytest.raises(ValueError, match="context lengths 100 and 110 share the verification window 128"):
+        profiling.profile_cost_model(None, None, None, context_lengths=(100, 110), batch_tokens=(8,))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fill rules, interpolation, envelope
+
+
+def test_fill_rules_are_conservative():
+    cells = [(1, 8), (2, 16), (4, 8), (4, 32)]
+    cm = synthetic(cells=cells)
+    filled, _ = cm.filled_verify()
+    c = 0
+    wv = cm.windows[c]
+    # (4, 16) pads up to the measured (4, 32); (2, 8) pads up to (2, 16); (2, 32) comes from (4, 32);
+    # (1, 16) and (1, 32) come from the row above.
+    np.testing.assert_allclose(filled[c, 2, 1], verify_true(4, 32, wv))
+    np.testing.assert_allclose(filled[c, 1, 0], verify_true(2, 16, wv))
+    np.testing.assert_allclose(filled[c, 1, 2], verify_true(4, 32, wv))
+    np.testing.assert_allclose(filled[c, 0, 1], verify_true(2, 16, wv))
+    np.testing.assert_allclose(filled[c, 0, 2], verify_true(4, 32, wv))
+    # measured cells untouched, and no cell is ever cheaper than the truth for an affine cost
+    truth = np.array([[verify_true(r, t, wv) for t in cm.batch_tokens] for r in cm.rows])
+    assert np.all(filled[c] >= truth - 1e-12)
+    for r, t in cells:
+        np.testing.assert_allclose(filled[c, cm.rows.index(r), cm.batch_tokens.index(t)], verify_true(r, t, wv))
+
+
+def reference_step_times(cm, R, L):
+    """Plain Python: round seconds for every b, ceil interpolation, every cell measured, affine cost."""
+    rb = min(r for r in cm.rows if r >= R)
+    wv, wd = round_windows(L, cm.block, cm.context_step, cm.window_rule)
+    wv, wd = max(wv, cm.windows[0]), max(wd, cm.draft_windows[0])  # clamped below the first window
+    out = []
+    for b in range(cm.max_tokens + 1):
+        t = min(x for x in cm.batch_tokens if x >= max(b, 1))
+        out.append(verify_true(rb, t, wv) + draft_true(rb, wd))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("R", [1, 2, 3, 4])
+@pytest.mark.parametrize("L", [0, 100, 120, 121, 300, 504, 505, 1016, 5000])
+def test_sps_for_matches_reference(R, L):
+    cm = synthetic()
+    t = table_with(cm)
+    want = reference_step_times(cm, R, L)
+    got = t.sps_for(R, L, interpolation="ceil")
+    assert got.shape == (cm.max_tokens + 1,) and got.dtype == np.float32
+    np.testing.assert_allclose(1 / got, want, rtol=1e-6)
+
+
+def test_linear_interpolation_and_envelope_on_cost_model():
+    cm = synthetic(batch=(8, 32))
+    lin = cm.step_times(2, 120)
+    ceil = cm.step_times(2, 120, interpolation="ceil")
+    wv, wd = cm.windows_for(120)
+    np.testing.assert_allclose(lin[20], 0.5 * (verify_true(2, 8, wv) + verify_true(2, 32, wv)) + draft_true(2, wd))
+    np.testing.assert_allclose(ceil[20], verify_true(2, 32, wv) + draft_true(2, wd))
+    # a jagged row (B=16 measured slower than B=32): the envelope removes the dip and never costs more
+    obj = synthetic().to_json()
+    obj["verify_s"][0][1][1] = 1.0
+    jag = CostModel(**obj)
+    raw, env = jag.step_times(2, 120), jag.step_times(2, 120, envelope=True)
+    assert np.any(np.diff(raw) < 0) and np.all(np.diff(env) >= 0) and np.all(env <= raw)
+    with pytest.raises(ValueError, match="interpolation"):
+        cm.step_times(1, 0, interpolation="cubic")
+
+
+@pytest.mark.parametrize("R,L,match", [(0, 10, "num_requests: expected 1..4"), (5, 10, "profile more rows"),
+                                       (2, -1, "context_tokens"), (2.5, 10, "num_requests: expected an integer")])
+def test_sps_for_rejects_bad_queries(R, L, match):
+    with pytest.raises(ValueError, match=match):
+        table_with(synthetic()).sps_for(R, L)
+
+
+def test_jitted_sps_equals_numpy_and_does_not_recompile():
+    cm = synthetic(cells=profiling.verify_cells((1, 2, 4), (8, 16, 32), G))
+    table = table_with(cm)
+    for interpolation in ("linear", "ceil"):
+        arrays = table.cost_arrays(interpolation=interpolation)
+        for envelope in (False, True):
+            for R, L in [(1, 0), (2, 130), (3, 504), (4, 700), (4, 3000)]:
+                got = sps_from_cost(arrays, jnp.int32(R), jnp.int32(L), envelope=envelope)
+                want = table.sps_for(R, L, interpolation=interpolation, envelope=envelope)
+                np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6)
+
+    conf = jnp.full((4, G), 0.8, jnp.float32)
+
+    @jax.jit
+    def round_lengths(cost, n, longest):
+        sps = sps_from_cost(cost, n, longest)
+        return scheduler.schedule(conf, sps, active=jnp.arange(4) < n).lengths
+
+    arrays = table.cost_arrays()
+    round_lengths(arrays, jnp.int32(1), jnp.int32(10)).block_until_ready()
+    sps_from_cost(arrays, jnp.int32(1), jnp.int32(10)).block_until_ready()
+    loads = [(jnp.int32(n), jnp.int32(L)) for n, L in [(2, 100), (3, 600), (4, 2000), (1, 5)]]
+    with count_compilations() as n_compiled:
+        for n, L in loads:
+            round_lengths(arrays, n, L).block_until_ready()
+            sps_from_cost(arrays, n, L).block_until_ready()
+    assert n_compiled() == 0
+
+
+def test_more_context_and_more_requests_cost_more():
+    cm = synthetic()
+    t = table_with(cm)
+    base = t.sps_for(2, 120)
+    assert np.all(t.sps_for(2, 1016) < base)  # longer contexts: fewer rounds per second, at every B
+    assert np.all(t.sps_for(2, 5000) < t.sps_for(2, 1016))  # extrapolated beyond the last window, upwards
+    assert np.all(t.sps_for(4, 120) < base)  # more rows at the same B
+
+
+# ----------------------------------------------------------------------------------------------------
+# What the profiler measures
+
+
+@pytest.mark.parametrize("rows,batch", [((1, 2, 4, 8, 16, 32, 64), (8, 16, 32, 64, 128, 256, 512)),
+                                        ((1, 2, 4, 8), (8, 16, 32, 64)), ((2, 8), (8, 32, 64))])
+def test_verify_cells_cover_every_reachable_round(rows, batch):
+    cells = set(profiling.verify_cells(rows, batch, G))
+    for active in range(1, rows[-1] + 1):
+        rb = min(r for r in rows if r >= active)
+        for b in range(active, min(active * (G + 1), batch[-1]) + 1):
+            t = min(x for x in batch if x >= b)
+            assert (rb, t) in cells, (active, b)
+    assert (rows[-1], batch[-1]) in cells
+    # and nothing a round cannot reach, except the largest row's larger buckets
+    for r, t in cells:
+        i = rows.index(r)
+        lo = (rows[i - 1] if i else 0) + 1
+        assert t >= min(x for x in batch if x >= lo)
+        if r != rows[-1]:
+            assert t <= min((x for x in batch if x >= r * (G + 1)), default=batch[-1])
+
+
+def test_diagonal_cells_and_rows():
+    assert profiling.diagonal_cells((8, 32, 128, 256), max_rows=64, block=G) == [(2, 8), (8, 32), (32, 128), (64, 256)]
+    assert [realistic_rows(b) for b in (8, 16, 32, 64, 128, 256, 512)] == [2, 4, 8, 16, 32, 64, 64]
+    assert profiling.row_buckets(512, G) == (1, 2, 4, 8, 16, 32, 64)
+    assert profiling.token_buckets(256) == (8, 16, 32, 64, 128, 256)
+    with pytest.raises(ValueError, match="max_tokens"):
+        profiling.token_buckets(4096)
+
+
+@pytest.mark.parametrize("rows,T,L", [(1, 8, 0), (2, 8, 120), (4, 16, 30), (3, 64, 5), (64, 512, 100)])
+def test_verify_batch_keeps_the_packed_contract(rows, T, L):
+    cfg = LlamaConfig.tiny()
+    W, _ = round_windows(L, G)
+    cache = init_cache(cfg, rows, W).replace(lengths=jnp.full((rows,), L, jnp.int32))
+    tokens, slots, positions, valid = profiling.verify_batch(rows=rows, batch_tokens=T, context=L, block=G,
+                                                             vocab_size=cfg.vocab_size)
+    check_packed(cache, tokens, slots, positions, valid, max_per_slot=G + 1)
+    assert valid.sum() == min(T, rows * (G + 1)) and T == bucket_for(T)
+    assert positions[valid].max() < W
+
+
+def test_timed_calls_do_not_compile(monkeypatch):
+    """After one warm-up call, the timed calls of both measurements compile nothing (the donated cache comes
+    back committed to the device: the inputs are committed too)."""
+    counts = []
+
+    def probe(fn, **kw):
+        jax.block_until_ready(fn())
+        with count_compilations() as n:
+            for _ in range(3):
+                jax.block_until_ready(fn())
+        counts.append(n())
+        return profiling.Timing(1.0, 1.0, 1.0, 1)
+
+    monkeypatch.setattr(profiling, "time_call", probe)
+    cfg = LlamaConfig.tiny()
+    from dspark_jax.models.llama import init_random_weights
+
+    w = jax.device_put(init_random_weights(cfg, jax.random.key(1)), jax.devices()[0])
+    profiling.time_verify(w, cfg, rows=1, batch_tokens=8, context=3)
+    profiling.time_draft(profiling.random_drafter(cfg), w.embed, rows=1, context=3)
+    assert counts == [0, 0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# A real quick profile of the tiny model, through the script
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sps") / "tiny.json"
+    table = profile_sps.main(["--tiny", "--quick", "--max-tokens", "16", "--context-lengths", "120", "248",
+                              "--repeats", "2", "--out", str(out)])
+    return table, out
+
+
+def test_quick_tiny_profile_gives_a_valid_table(tiny_profile):
+    table, out = tiny_profile
+    loaded = SPSTable.load(out)
+    assert loaded == table
+    meta = loaded.metadata
+    assert (meta.backend, meta.device_kind, meta.model, meta.dtype) == (
+        jax.default_backend(), jax.devices()[0].device_kind, "tiny-random", "float32")
+    assert meta.context_length == 120 and meta.date == datetime.date.today().isoformat()
+    assert meta.extra["jax_version"] == jax.__version__ and meta.extra["context_lengths"] == [120, 248]
+    cm = loaded.cost_model
+    assert cm.block == G and cm.context_lengths == (120, 248) and cm.windows == (128, 256)
+    assert list(loaded.batch_tokens) == [8, 16] and cm.batch_tokens == (8, 16)
+    assert all(d > 0 for row in cm.draft_s for d in row)
+    conf = np.full((cm.rows[-1], G), 0.9, np.float32)
+    s = scheduler.schedule_checked(conf, loaded.to_dense())
+    assert cm.rows[-1] <= int(s.batch_tokens) <= loaded.max_tokens
+    for R in range(1, cm.rows[-1] + 1):
+        for L in (0, 120, 200, 248, 4000):
+            sps = loaded.sps_for(R, L)
+            scheduler.schedule_checked(conf[:R], sps)
+            np.testing.assert_allclose(np.asarray(sps_from_cost(loaded.cost_arrays(), jnp.int32(R), jnp.int32(L))),
+                                       sps, rtol=2e-6)
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_metadata_mismatch_warns(tiny_profile, tmp_path):
+    _, out = tiny_profile
+    with pytest.warns(UserWarning, match="model='tiny-random' but is used with model='SmolLM2"):
+        load_sps_table(out, model="SmolLM2-135M-Instruct.Q4_1.gguf", dtype="float32")
+    with pytest.warns(UserWarning, match="block=7 but is used with block=4"):
+        load_sps_table(out, block=4)
+    with pytest.warns(UserWarning, match="dtype='float32' but is used with dtype='bfloat16'"):
+        load_sps_table(out, dtype="bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_sps_table(out, model="tiny-random", dtype="float32", backend=jax.default_backend(), block=G)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The script's early errors (before anything is loaded or measured)
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("measured before checking the output")
+
+    monkeypatch.setattr(profile_sps, "load_target", boom)
+    monkeypatch.setattr(profiling, "profile_sps_table", boom)
+
+
+def test_unwritable_output_fails_early(tmp_path, no_measuring):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="does not exist"):
+        profile_sps.main(["--tiny", "--out", str(blocker / "t.json")])
+    with pytest.raises(ValueError, match="is a folder"):
+        profile_sps.main(["--tiny", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="does not exist"):
+        profile_sps.main(["--tiny", "--out", str(tmp_path / "t.json"), "--png", str(blocker / "t.png")])
+
+
+def test_missing_backend_is_named(tmp_path, no_measuring):
+    missing = next(b for b in ("tpu", "gpu", "cpu") if b not in profiling.available_backends())
+    with pytest.raises(ValueError, match=rf"backend '{missing}' is not available.*available backends: \['cpu'"):
+        profile_sps.main(["--tiny", "--backend", missing, "--out", str(tmp_path / "t.json")])
+    assert profiling.select_device("cpu").platform == "cpu"
+    assert profiling.select_device() == jax.devices()[0]
+
+
+def test_reference_context_must_be_measured(tmp_path, no_measuring):
+    with pytest.raises(ValueError, match="--reference-context 7 must be one of"):
+        profile_sps.main(["--tiny", "--context-lengths", "120", "--reference-context", "7",
+                          "--out", str(tmp_path / "t.json")])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The packaged default table
+
+
+def test_default_table_is_packaged_and_usable():
+    t = default_sps_table(model="SmolLM2-135M-Instruct.Q4_1.gguf", dtype="float32", block=G)
+    cm = t.cost_model
+    assert cm is not None and t.max_tokens >= 256 and t.metadata.backend == "cpu"
+    assert t.metadata.model == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert len(cm.context_lengths) >= 2
+    conf = np.full((16, G), 0.8, np.float32)
+    scheduler.schedule_checked(conf, t.to_dense())
+    scheduler.schedule_checked(conf, t.sps_for(16, 700))
+
+
+def test_plot_without_cost_model(tmp_path):
+    t = SPSTable.from_arrays((1, 8, 32), (10.0, 8.0, 3.0), metadata=SPSMetadata(context_length=64))
+    png = plot_sps(t, tmp_path / "p.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
