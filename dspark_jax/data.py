@@ -125,11 +125,19 @@ def generate_responses(model, prompts: Sequence[Prompt], out_dir: str | os.PathL
 
 def load_sequences(data_dir: str | os.PathLike) -> list[dict]:
     """The generated (non-skipped) records of all chunk files, ordered by prompt index."""
+    return sorted((r for chunk in load_chunks(data_dir).values() for r in chunk), key=lambda r: r["index"])
+
+
+def load_chunks(data_dir: str | os.PathLike) -> dict[str, list[dict]]:
+    """Generated (non-skipped, non-empty) records per chunk file name, in chunk order."""
     files = sorted(glob.glob(str(Path(data_dir) / "chunk_*.jsonl")))
     if not files:
         raise ValueError(f"no generated chunks (chunk_*.jsonl) in {data_dir}; run train.generate_data first")
-    recs = [json.loads(line) for f in files for line in open(f) if line.strip()]
-    return sorted((r for r in recs if not r["skipped"] and r["output_ids"]), key=lambda r: r["index"])
+    out = {}
+    for f in files:
+        recs = [json.loads(line) for line in open(f) if line.strip()]
+        out[Path(f).stem] = [r for r in recs if not r["skipped"] and r["output_ids"]]
+    return out
 
 
 # ------------------------------------------------------------------------------------------ stage 2
@@ -164,33 +172,22 @@ def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def build_target_cache(model, sequences: Sequence[dict], out_dir: str | os.PathLike, *, shard_tokens: int = 200_000,
+def build_target_cache(model, chunks: dict[str, Sequence[dict]], out_dir: str | os.PathLike, *,
                        progress: bool = True) -> Path:
-    """Teacher-forced pass over every sequence; writes shards ``shard_XXXXX.{tokens,taps,final,lse}.npy``
-    plus ``index.json``. Resumable: shards already written are kept."""
+    """Teacher-forced pass over every sequence; one shard per generated chunk,
+    ``<chunk>.{tokens,taps,final,lse}.npy``, plus ``index.json``. Resumable and incremental: shards already
+    written are kept, so it can follow a generation run that is still adding chunks."""
     from tqdm import tqdm
 
     from dspark_jax.models.llama import logits_from_hidden
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # Group sequences into shards of about shard_tokens tokens, deterministically.
-    shards, cur, size = [], [], 0
-    for s in sequences:
-        n = len(s["prompt_ids"]) + len(s["output_ids"])
-        if cur and size + n > shard_tokens:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(s)
-        size += n
-    if cur:
-        shards.append(cur)
-
     lse_fn = jax.jit(lambda w, h: jax.nn.logsumexp(logits_from_hidden(w, h), axis=-1))
-    bar = tqdm(total=sum(len(s) for s in shards), desc="target cache", unit="seq", disable=not progress)
+    bar = tqdm(total=sum(len(c) for c in chunks.values()), desc="target cache", unit="seq", disable=not progress)
     entries = []
-    for k, shard in enumerate(shards):
-        stem = out_dir / f"shard_{k:05d}"
+    for name, shard in chunks.items():
+        stem = out_dir / name
         meta = [{"index": s["index"], "domain": s["domain"], "prompt_length": len(s["prompt_ids"]),
                  "length": len(s["prompt_ids"]) + len(s["output_ids"])} for s in shard]
         entries.append({"shard": stem.name, "sequences": meta})

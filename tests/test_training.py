@@ -152,3 +152,33 @@ def test_save_and_load_drafter(tmp_path):
     np.testing.assert_array_equal(back.vocab_ids[...], vocab)
     with pytest.raises(ValueError, match="config.json and weights.npz"):
         training.load_drafter(tmp_path / "nothing")
+
+
+def test_target_cache_build_is_incremental_and_consistent(tmp_path):
+    from dspark_jax.models.llama import LlamaModel, logits_from_hidden
+
+    w = init_random_weights(TARGET, jax.random.key(3), scale=0.3)
+    model = LlamaModel(TARGET, w, None)
+    rng = np.random.default_rng(0)
+
+    def rec(i):
+        return {"index": i, "domain": "x", "skipped": False, "prompt_ids": rng.integers(1, 64, 5).tolist(),
+                "output_ids": rng.integers(1, 64, 7).tolist()}
+
+    chunks = {"chunk_00000": [rec(0), rec(1)]}
+    data.build_target_cache(model, chunks, tmp_path, progress=False)
+    first = (tmp_path / "chunk_00000.taps.npy").stat().st_mtime_ns
+    chunks["chunk_00001"] = [rec(2)]
+    data.build_target_cache(model, chunks, tmp_path, progress=False)
+    assert (tmp_path / "chunk_00000.taps.npy").stat().st_mtime_ns == first  # kept, not rebuilt
+    cache = data.open_target_cache(tmp_path)
+    assert cache.num_sequences == 3 and list(cache.lengths) == [12, 12, 12]
+    seq = chunks["chunk_00001"][0]
+    ids = seq["prompt_ids"] + seq["output_ids"]
+    logits = np.asarray(model.score(ids))
+    off = int(cache.offsets[2])
+    np.testing.assert_array_equal(cache.tokens[off : off + 12], ids)
+    final = cache.final[off : off + 12].astype(np.float32)
+    want_lse = np.asarray(jax.nn.logsumexp(logits_from_hidden(w, jnp.asarray(final)), axis=-1))
+    np.testing.assert_allclose(cache.lse[off : off + 12], want_lse, rtol=1e-5)
+    np.testing.assert_allclose(final @ np.asarray(w.embed).T, logits, rtol=0.02, atol=0.05)  # float16 storage

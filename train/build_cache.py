@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from dspark_jax.data import build_target_cache, load_sequences
+from dspark_jax.data import build_target_cache, load_chunks
 from dspark_jax.models.llama import LlamaModel
 
 
@@ -16,12 +16,11 @@ def main(argv=None):
     p.add_argument("--data", default="runs/data/responses")
     p.add_argument("--out", default="runs/data/cache")
     p.add_argument("--model", default=None)
-    p.add_argument("--shard-tokens", type=int, default=200_000)
     args = p.parse_args(argv)
-    seqs = load_sequences(args.data)
+    chunks = load_chunks(args.data)
     model = LlamaModel.from_gguf(args.model)
-    build_target_cache(model, seqs, args.out, shard_tokens=args.shard_tokens)
-    print(f"{len(seqs)} sequences cached in {args.out}")
+    build_target_cache(model, chunks, args.out)
+    print(f"{sum(len(c) for c in chunks.values())} sequences in {len(chunks)} shards cached in {args.out}")
 
 
 if __name__ == "__main__":
