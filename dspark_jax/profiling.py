@@ -63,8 +63,9 @@ __all__ = [
 ]
 
 DEFAULT_BLOCK = 7
-# Tokens held per request: each fills a power-of-two window exactly (L + G + 1 = 128, 512, 1024 for G = 7).
-DEFAULT_CONTEXT_LENGTHS = (120, 504, 1016)
+# Tokens held per request: each fills a power-of-two window exactly (L + G + 1 = 128, 256, 512, 1024 for
+# G = 7), so every window the engine uses up to 1024 is measured, not interpolated.
+DEFAULT_CONTEXT_LENGTHS = (120, 248, 504, 1016)
 DEFAULT_MAX_TOKENS = 512
 # The shipped drafter's shape (weights do not change the cost): 2 layers, FFN 1536, rank 64, 8192 draft tokens.
 SHIPPED_DRAFTER = dict(n_layers=2, ffn_dim=1536, rank=64, draft_vocab_size=8192)

@@ -33,7 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
     p.add_argument("--max-tokens", type=int, help="largest verification batch B (default 512; --quick 256)")
     p.add_argument("--context-lengths", type=int, nargs="+",
-                   help="tokens held per request (default 120 504 1016, filling the windows 128, 512, 1024; "
+                   help="tokens held per request (default 120 248 504 1016, filling the windows 128 to 1024; "
                         "--quick 120)")
     p.add_argument("--reference-context", type=int, help="context of the simple SPS(B) points (default: smallest)")
     p.add_argument("--rows", type=int, nargs="+", help="row buckets (default: powers of two up to max-tokens / 8)")
@@ -48,7 +48,35 @@ def parse_args(argv=None):
     src.add_argument("--tiny", action="store_true", help="a random tiny model (tests)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="target weights")
     p.add_argument("--backend", help="insist on a backend (cpu, gpu, tpu); default: JAX's choice")
+    p.add_argument("--markdown", action="store_true", help="also print the curves as a Markdown table (README)")
     return p.parse_args(argv)
+
+
+def curve_rows(table) -> list[dict]:
+    """One row per (context, bucket) of the simple curve: rows R, verify / draft / round ms, rounds/s, tokens/s."""
+    cm = table.cost_model
+    rows = []
+    for L in cm.context_lengths:
+        c = cm.curve(L)
+        for i, b in enumerate(c["batch_tokens"]):
+            rows.append({"L": L, "B": int(b), "R": int(c["rows"][i]), "verify_ms": 1e3 * c["verify_s"][i],
+                         "draft_ms": 1e3 * c["draft_s"][i], "round_ms": 1e3 * c["step_s"][i],
+                         "rounds_per_s": 1 / c["step_s"][i], "tokens_per_s": b / c["step_s"][i]})
+    return rows
+
+
+def markdown(table) -> str:
+    """B against rounds/s and verified tokens/s, one column pair per context length."""
+    rows = curve_rows(table)
+    contexts = table.cost_model.context_lengths
+    by = {(r["L"], r["B"]): r for r in rows}
+    head = "| B | R | " + " | ".join(f"rounds/s, L={L} | tokens/s, L={L}" for L in contexts) + " |"
+    sep = "| ---: | ---: | " + " | ".join("---: | ---:" for _ in contexts) + " |"
+    lines = [head, sep]
+    for b in table.cost_model.batch_tokens:
+        cells = [f"{by[(L, b)]['rounds_per_s']:.3g} | {by[(L, b)]['tokens_per_s']:.0f}" for L in contexts]
+        lines.append(f"| {b} | {by[(contexts[0], b)]['R']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def load_target(args):
@@ -96,15 +124,10 @@ def main(argv=None):
         with_drafter=not args.no_drafter, repeats=repeats, max_seconds=args.max_seconds, device=device,
         progress=True, extra={"quick": args.quick}, batch_tokens=buckets)
     table.save(out)
-    cm = table.cost_model
-    rows = []
-    for L in cm.context_lengths:
-        c = cm.curve(L)
-        for i, b in enumerate(c["batch_tokens"]):
-            rows.append({"L": L, "B": int(b), "R": int(c["rows"][i]), "verify_ms": 1e3 * c["verify_s"][i],
-                         "draft_ms": 1e3 * c["draft_s"][i], "round_ms": 1e3 * c["step_s"][i],
-                         "rounds_per_s": 1 / c["step_s"][i], "tokens_per_s": b / c["step_s"][i]})
-    print(format_table(rows, ["L", "B", "R", "verify_ms", "draft_ms", "round_ms", "rounds_per_s", "tokens_per_s"]))
+    print(format_table(curve_rows(table),
+                       ["L", "B", "R", "verify_ms", "draft_ms", "round_ms", "rounds_per_s", "tokens_per_s"]))
+    if args.markdown:
+        print(markdown(table))
     print(f"wrote {out}")
     if png is not None:
         plot_sps(table, png, title="SPS profile")

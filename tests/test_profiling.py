@@ -422,6 +422,14 @@ def test_reference_context_must_be_measured(tmp_path, no_measuring):
 # The packaged default table
 
 
+def test_missing_default_table_is_clear(monkeypatch):
+    from dspark_jax import sps
+
+    monkeypatch.setattr(sps, "DEFAULT_TABLE", "assets/sps/no_such_table.json")
+    with pytest.raises(ValueError, match="packaged SPS table assets/sps/no_such_table.json is missing"):
+        default_sps_table()
+
+
 def test_default_table_is_packaged_and_usable():
     t = default_sps_table(model="SmolLM2-135M-Instruct.Q4_1.gguf", dtype="float32", block=G)
     cm = t.cost_model
