@@ -237,6 +237,7 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, *, extra: dict[str, 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    os.chmod(tmp, 0o755)
     try:
         flat = {k: (v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v)
                 for k, v in _flat_state(drafter).items()}
