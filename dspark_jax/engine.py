@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import calibration, scheduler, verify
+from dspark_jax.sps import SPSTable, context_window, sps_from_cost
 from dspark_jax.timing import compile_count
 from dspark_jax.models import drafter as dr
 from dspark_jax.models.llama import (
@@ -113,6 +114,9 @@ class EngineConfig:
     temperature: float = 0.0
     seed: int = 0
     prior_confidence: float = 0.7  # stale confidence of a request with no history yet (dspark-async)
+    # Attention windows over the caches: "step" = multiples of 128 (reads little beyond the context held),
+    # "pow2" = powers of two (fewer shapes to compile). SPS cost models record the rule they were profiled with.
+    window_rule: str = "step"
 
 
 @jax.tree_util.register_dataclass
@@ -181,10 +185,10 @@ def _key(seed, stream: int, request, position):
     return jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(base, r), p))(request, position)
 
 
-def _window(n: int, capacity: int) -> int:
-    """Attention window over the caches for contexts below ``n``: a power of two >= 128, at most the
-    capacity (few shapes: each (rows, tokens, window) combination compiles once)."""
-    return min(capacity, max(CONTEXT_STEP, _pow2(n, 1 << 30)))
+def _window(n: int, capacity: int, rule: str) -> int:
+    """Attention window over the caches for contexts below ``n`` (`sps.context_window`), at most the
+    capacity: few shapes, each (rows, tokens, window) combination compiles once."""
+    return min(capacity, context_window(n, CONTEXT_STEP, rule))
 
 
 def _pow2(n: int, cap: int) -> int:
@@ -203,7 +207,9 @@ class Engine:
       policy: a `Policy` or its text (`parse_policy`).
       config: slots, capacity, temperature, seed.
       sts_temperatures: [G] calibration temperatures for the confidence head (default: all ones).
-      sps: dense steps/s table [N] for the ``dspark`` policies (default: the shipped CPU table).
+      sps: for the ``dspark`` policies, an `SPSTable` (its cost model, when it has one, gives a fresh
+        steps/s curve every round for the round's requests and context) or a dense steps/s array [N]
+        (default: the shipped CPU table).
     """
 
     def __init__(self, target: LlamaModel, drafter: dr.Drafter | None, policy: Policy | str = "dspark",
@@ -230,11 +236,23 @@ class Engine:
                 raise ValueError(f"sts_temperatures: expected {self.G} values (one per block position), got {temps.shape}")
             self.temps = jnp.asarray(temps)
             self.draft_vocab = None if self.drafter.cfg.draft_vocab == target.cfg.vocab_size else self.drafter.vocab_ids[...]
+        if config.window_rule not in ("step", "pow2"):
+            raise ValueError(f"window_rule: expected 'step' or 'pow2', got {config.window_rule!r}")
+        self.cost = None
         if self.policy.kind in ("dspark", "dspark-async"):
             if sps is None:
                 from dspark_jax.sps import default_sps_table  # noqa: PLC0415  (optional asset)
 
-                sps = default_sps_table().to_dense()
+                sps = default_sps_table()
+            if isinstance(sps, SPSTable):
+                if sps.cost_model is not None:
+                    if sps.cost_model.block != self.G or sps.cost_model.window_rule != config.window_rule:
+                        raise ValueError(
+                            f"SPS cost model profiled for block {sps.cost_model.block} and window rule "
+                            f"{sps.cost_model.window_rule!r}, but the engine runs block {self.G} with "
+                            f"{config.window_rule!r} windows")
+                    self.cost = sps.cost_arrays()
+                sps = sps.to_dense()
             self.sps = jnp.asarray(np.asarray(sps, np.float32))
             if self.sps.ndim != 1 or not np.all(np.isfinite(np.asarray(self.sps))) or np.any(np.asarray(self.sps) <= 0):
                 raise ValueError("sps: expected a 1-D table of finite, positive steps/s")
@@ -346,14 +364,15 @@ class Engine:
         drafting = self.drafter is not None
         shapes = 0
         longest = range(1, cap + 1)  # contexts grow during decoding: every window up to the capacity
-        windows = sorted({_window(n + G + 1, cap) for n in longest})
-        draft_windows = sorted({_window(n, cap) for n in longest})
+        rule = self.cfg.window_rule
+        windows = sorted({_window(n + G + 1, cap, rule) for n in longest})
+        draft_windows = sorted({_window(n, cap, rule) for n in longest})
         R = 1
         while True:
             if drafting:
                 for w in draft_windows:
                     d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed,
-                                            self.head_w, self.temps, self.sps, temp, seed=self.cfg.seed, capacity=cap,
+                                            self.head_w, self.temps, self.sps, self.cost, temp, seed=self.cfg.seed, capacity=cap,
                                             R=R, policy=self.policy, greedy=self.greedy, context=w)
             else:
                 d = None
@@ -387,14 +406,14 @@ class Engine:
         S, G = self.cfg.num_slots, self.G
         R = _pow2(n, S)
         longest = int(self.slot_length[active_slots].max())
-        window = _window(longest + G + 1, self.cfg.capacity)
+        window = _window(longest + G + 1, self.cfg.capacity, self.cfg.window_rule)
         temp = jnp.float32(self.cfg.temperature)
         drafting = self.drafter is not None
         if drafting:
             d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed, self.head_w,
-                                    self.temps, self.sps, temp, seed=self.cfg.seed, capacity=self.cfg.capacity, R=R,
+                                    self.temps, self.sps, self.cost, temp, seed=self.cfg.seed, capacity=self.cfg.capacity, R=R,
                                     policy=self.policy, greedy=self.greedy,
-                                    context=_window(longest, self.cfg.capacity))
+                                    context=_window(longest, self.cfg.capacity, self.cfg.window_rule))
             B = int(d.batch_tokens)  # the one value the host needs: it picks the token bucket
         else:
             d, B = None, n
@@ -522,8 +541,8 @@ def _policy_lengths(policy: Policy, conf, hist, sps, row_valid, G):
 
 
 @functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity"))
-def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, temperature, *, seed: int,
-                        capacity: int, R: int, policy: Policy, greedy: bool, context: int) -> DraftOut:
+def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, temperature, *,
+                        seed: int, capacity: int, R: int, policy: Policy, greedy: bool, context: int) -> DraftOut:
     """Draft a block for the first R rows, compute calibrated confidences, apply the policy."""
     drafter = nnx.merge(graph, dstate)
     G = drafter.cfg.block
@@ -534,6 +553,8 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     tokens, probs, conf_logits = dr.draft(drafter, state.dcache, rows, ctx_len, state.anchor[rows], keys, t, embed,
                                           head_w, context=context)
     conf = calibration.apply_sts(conf_logits, temps)  # [R, G]
+    if cost is not None:  # this round's curve: draft(R, L) + verify(R, B, L) for its requests and context
+        sps = sps_from_cost(cost, jnp.sum(row_valid, dtype=jnp.int32), jnp.max(jnp.where(row_valid, ctx_len, 0)))
     hist = state.conf_hist[1][rows]
     lengths = jnp.where(row_valid, _policy_lengths(policy, conf, hist, sps, row_valid, G), 0)
     # Caps that never look at the drafts: the request's remaining budget and the slot's capacity.

@@ -40,8 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, help="timed calls per cell (default 5; --quick 2)")
     p.add_argument("--max-seconds", type=float, help="stop repeating a cell after this long (>= 3 repeats)")
     p.add_argument("--block", type=int, default=profiling.DEFAULT_BLOCK, help="drafted tokens per request G")
-    p.add_argument("--window-rule", choices=("pow2", "step"), default="pow2",
-                   help="attention windows: powers of two from 128 (the engine) or multiples of 128")
+    p.add_argument("--window-rule", choices=("pow2", "step"), default="step",
+                   help="attention windows: multiples of 128 (the engine default) or powers of two from 128")
     p.add_argument("--no-drafter", action="store_true", help="record no draft cost")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, help="GGUF path (default: the cached SmolLM2-135M-Instruct)")

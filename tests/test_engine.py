@@ -189,3 +189,38 @@ def test_bad_input_is_rejected(model, drafter):
         e.submit([1, 2], 0)
     with pytest.raises(ValueError, match="sts_temperatures"):
         eng.Engine(model, drafter, "fixed:2", sts_temperatures=[1.0, 2.0])
+
+
+def synthetic_cost_table(block=4):
+    """An SPS table with a cost model: steps get slower with rows, tokens and context."""
+    from dspark_jax.sps import CostModel, SPSMetadata, SPSTable, round_windows
+
+    contexts = (0, 200)
+    windows = [round_windows(L, block, 128, "step") for L in contexts]
+    rows, toks = (1, 2, 4), (8, 16, 32)
+    verify = tuple(tuple(tuple(0.01 * (1 + c) + 0.001 * r + 0.0005 * t for t in toks) for r in rows)
+                   for c in range(len(contexts)))
+    zeros3 = tuple(tuple(tuple(0.0 for _ in toks) for _ in rows) for _ in contexts)
+    draft = tuple(tuple(0.002 * r for r in rows) for _ in contexts)
+    zeros2 = tuple(tuple(0.0 for _ in rows) for _ in contexts)
+    cm = CostModel(block=block, context_step=128, window_rule="step", context_lengths=contexts,
+                   windows=tuple(w[0] for w in windows), draft_windows=tuple(w[1] for w in windows), rows=rows,
+                   batch_tokens=toks, verify_s=verify, verify_spread_s=zeros3, draft_s=draft, draft_spread_s=zeros2)
+    points = SPSTable.from_arrays(toks, [1 / verify[0][-1][i] for i in range(3)]).points
+    return SPSTable(points, SPSMetadata(), cost_model=cm)
+
+
+def test_cost_model_drives_the_schedule_without_recompiling(model, drafter):
+    table = synthetic_cost_table()
+    ps = prompts(6, seed=12)
+    ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=2, stop_ids=[5], capacity=64)
+    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64), sps=table, stop_ids=[5])
+    assert e.cost is not None
+    e.warm_up(max_prompt_tokens=20)
+    with count_compilations() as n:
+        out = e.run(ps, 10)
+    assert n() == 0
+    assert [c.output_ids for c in out] == [r.output_ids for r in ref]
+    with pytest.raises(ValueError, match="window rule"):
+        eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, window_rule="pow2"),
+                   sps=table)
