@@ -40,17 +40,18 @@ def test_block_sees_only_context_before_its_anchor(target):
     anchors, anchor_pos = jnp.array([[5, 9]]), jnp.array([[4, 7]])  # two blocks of one sequence
     mask = jnp.arange(10)[None, None, :] < anchor_pos[..., None]
 
-    def run(t):
+    @nnx.jit
+    def run(d, t):
         k, v = d.context_kv(t, pos)
         return d.hidden(k, v, mask, anchors, anchor_pos, target.embed)
 
-    base = run(taps)
+    base = run(d, taps)
     # Changing the anchor's own features (position 4) must not change block 0; it changes block 1.
-    moved = run(taps.at[0, 4].add(1.0))
+    moved = run(d, taps.at[0, 4].add(1.0))
     np.testing.assert_array_equal(moved[0, 0], base[0, 0])
     assert np.abs(np.asarray(moved[0, 1] - base[0, 1])).max() > 1e-4
     # Features at positions >= 7 are invisible to both blocks.
-    np.testing.assert_array_equal(run(taps.at[0, 7:].add(3.0)), base)
+    np.testing.assert_array_equal(run(d, taps.at[0, 7:].add(3.0)), base)
 
 
 def test_empty_context_gives_no_nan(target):
@@ -95,17 +96,19 @@ def test_teacher_forced_equals_sampled_path(target, head):
     head_w = dr.draft_head_weights(d, target.embed)
     anchors = jnp.array([1, 2, 3])
     keys = jax.random.split(jax.random.key(4), R)
+    sample = nnx.jit(dr.sample_block)
+    forced = nnx.jit(lambda d, h, prev, w: d.teacher_forced(h, prev, w))
     for temp in (1.0, 0.7):
-        tokens, probs, conf = dr.sample_block(d, h, anchors, keys, jnp.float32(temp), head_w)
+        tokens, probs, conf = sample(d, h, anchors, keys, jnp.float32(temp), head_w)
         prev = jnp.concatenate([anchors[:, None], tokens[:, :-1]], axis=1)
-        logits, conf_tf = d.teacher_forced(h, prev, head_w)
+        logits, conf_tf = forced(d, h, prev, head_w)
         np.testing.assert_allclose(probs, jax.nn.softmax(logits / temp, -1), rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(conf, conf_tf, rtol=1e-5, atol=1e-6)
         # the drawn token has positive probability under the returned distribution
         assert np.all(np.take_along_axis(np.asarray(probs), np.asarray(tokens)[..., None], -1) > 0)
-    tokens, probs, _ = dr.sample_block(d, h, anchors, keys, jnp.float32(0.0), head_w)
+    tokens, probs, _ = sample(d, h, anchors, keys, jnp.float32(0.0), head_w)
     prev = jnp.concatenate([anchors[:, None], tokens[:, :-1]], axis=1)
-    logits, _ = d.teacher_forced(h, prev, head_w)
+    logits, _ = forced(d, h, prev, head_w)
     np.testing.assert_array_equal(tokens, jnp.argmax(logits, -1))
     np.testing.assert_array_equal(probs, jax.nn.one_hot(tokens, TARGET.vocab_size))
 
@@ -125,8 +128,8 @@ def test_sampling_statistics_follow_returned_probs(target):
     R = 4000
     h = jnp.broadcast_to(jax.random.normal(jax.random.key(9), (1, 2, TARGET.dim)), (R, 2, TARGET.dim))
     head_w = dr.draft_head_weights(d, target.embed)
-    tokens, probs, _ = dr.sample_block(d, h, jnp.full((R,), 5), jax.random.split(jax.random.key(1), R),
-                                       jnp.float32(1.0), head_w)
+    tokens, probs, _ = nnx.jit(dr.sample_block)(d, h, jnp.full((R,), 5), jax.random.split(jax.random.key(1), R),
+                                                jnp.float32(1.0), head_w)
     freq = np.bincount(np.asarray(tokens[:, 0]), minlength=TARGET.vocab_size) / R
     np.testing.assert_allclose(freq, np.asarray(probs[0, 0]), atol=0.03)
 
@@ -136,8 +139,8 @@ def test_reduced_vocabulary_proposes_only_its_tokens(target):
     d = make(vocab_ids=vocab)
     h = jax.random.normal(jax.random.key(2), (6, d.cfg.block, TARGET.dim))
     head_w = dr.draft_head_weights(d, target.embed)
-    tokens, probs, _ = dr.sample_block(d, h, jnp.arange(6) + 40, jax.random.split(jax.random.key(0), 6),
-                                       jnp.float32(1.0), head_w)
+    tokens, probs, _ = nnx.jit(dr.sample_block)(d, h, jnp.arange(6) + 40, jax.random.split(jax.random.key(0), 6),
+                                                jnp.float32(1.0), head_w)
     assert probs.shape == (6, d.cfg.block, 8)
     assert set(np.asarray(tokens).ravel()) <= set(vocab.tolist())
     full = dr.expand_draft_probs(probs, jnp.asarray(vocab), TARGET.vocab_size)
@@ -150,17 +153,23 @@ def test_context_cache_matches_full_recompute(target):
     C, n_ctx = 16, 9
     taps = context(1, n_ctx, seed=5)[0]  # [S, M, D]
     cache = dr.init_drafter_cache(d.cfg, num_slots=3, capacity=C)
+    write = nnx.jit(dr.write_context)
     # write the context of slot 1 in two appends, plus a rejected tail that must stay invisible
-    cache = dr.write_context(d, cache, taps[:5], jnp.full(5, 1), jnp.arange(5), jnp.ones(5, bool))
-    cache = dr.write_context(d, cache, taps[5:], jnp.full(4, 1), jnp.arange(5, 9), jnp.ones(4, bool))
+    cache = write(d, cache, taps[:5], jnp.full(5, 1), jnp.arange(5), jnp.ones(5, bool))
+    cache = write(d, cache, taps[5:], jnp.full(4, 1), jnp.arange(5, 9), jnp.ones(4, bool))
     junk = context(1, 3, seed=6)[0]
-    cache = dr.write_context(d, cache, junk, jnp.full(3, 1), jnp.arange(9, 12), jnp.array([True, True, False]))
+    cache = write(d, cache, junk, jnp.full(3, 1), jnp.arange(9, 12), jnp.array([True, True, False]))
     head_w = dr.draft_head_weights(d, target.embed)
     keys = jax.random.split(jax.random.key(0), 1)
-    got = dr.draft(d, cache, jnp.array([1]), jnp.array([n_ctx]), jnp.array([7]), keys, jnp.float32(0.0),
-                   target.embed, head_w)
-    k, v = d.context_kv(taps[None], jnp.arange(n_ctx)[None])
-    h = d.hidden(k, v, jnp.ones((1, 1, n_ctx), bool), jnp.array([[7]]), jnp.array([[n_ctx]]), target.embed)[:, 0]
-    want = dr.sample_block(d, h, jnp.array([7]), keys, jnp.float32(0.0), head_w)
+    got = nnx.jit(dr.draft)(d, cache, jnp.array([1]), jnp.array([n_ctx]), jnp.array([7]), keys, jnp.float32(0.0),
+                            target.embed, head_w)
+
+    @nnx.jit
+    def recompute(d):
+        k, v = d.context_kv(taps[None], jnp.arange(n_ctx)[None])
+        h = d.hidden(k, v, jnp.ones((1, 1, n_ctx), bool), jnp.array([[7]]), jnp.array([[n_ctx]]), target.embed)
+        return dr.sample_block(d, h[:, 0], jnp.array([7]), keys, jnp.float32(0.0), head_w)
+
+    want = recompute(d)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)

@@ -266,7 +266,7 @@ class Drafter(nnx.Module):
         """
         logits = jnp.einsum("...gd,dw->...gw", h, head_w).astype(jnp.float32)
         if not self.cfg.uses_prev_token:
-            return logits, jnp.zeros(logits.shape[:-1], jnp.float32)
+            return logits, proxy_confidence_logit(logits)
         e = self.prev_embedding(prev_tokens)  # [..., G, r]
         if self.cfg.head == "rnn":
             def step(state, xs):
@@ -282,7 +282,17 @@ class Drafter(nnx.Module):
             conf = jnp.zeros(h.shape[:-1]) if conf is None else conf
         if bias is not None:
             logits = logits + bias.astype(jnp.float32)
+        if not self.cfg.confidence:
+            conf = proxy_confidence_logit(logits)
         return logits, conf.astype(jnp.float32)
+
+
+def proxy_confidence_logit(logits: jax.Array) -> jax.Array:
+    """Confidence without a confidence head (a plain DFlash drafter): the logit of the slot's top
+    probability at temperature 1. It depends on the earlier tokens only, never on the token drawn at the
+    slot, so schedulers may use it without breaking losslessness. [..., W] -> [...]."""
+    top = jnp.clip(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1), 1e-6, 1 - 1e-6)
+    return jnp.log(top) - jnp.log1p(-top)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -328,10 +338,7 @@ def sample_block(drafter: Drafter, h: jax.Array, anchors: jax.Array, keys: jax.A
         idx = jnp.where(greedy, top, drawn).astype(jnp.int32)
         token = drafter.vocab_ids[...][idx]
         if conf is None:
-            # No confidence head (a plain DFlash drafter): the logit of the slot's top probability at
-            # temperature 1, a proxy that depends on the earlier tokens only, never on the token drawn here.
-            top = jnp.clip(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1), 1e-6, 1 - 1e-6)
-            conf = jnp.log(top) - jnp.log1p(-top)
+            conf = proxy_confidence_logit(logits)
         conf = conf.astype(jnp.float32)
         return (token, state), (token, probs, conf)
 
