@@ -113,7 +113,7 @@ def token_buckets(max_tokens: int, buckets: Sequence[int] = BUCKETS) -> tuple[in
     """The verification buckets up to the one that holds ``max_tokens``.
 
     >>> token_buckets(300)
-    (8, 16, 32, 64, 128, 256, 512)
+    (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     """
     if max_tokens < 1 or max_tokens > buckets[-1]:
         raise ValueError(f"max_tokens: expected 1..{buckets[-1]} (the largest verification bucket), got {max_tokens}")

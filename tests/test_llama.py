@@ -125,7 +125,7 @@ def test_tap_layers_formula():
         LlamaConfig.tiny(tap_layers=(0, 2))
 
 
-@pytest.mark.parametrize("n, b", [(1, 8), (8, 8), (9, 16), (15, 16), (16, 16), (17, 32), (1024, 1024)])
+@pytest.mark.parametrize("n, b", [(1, 1), (3, 4), (8, 8), (9, 16), (15, 16), (16, 16), (17, 32), (1024, 1024)])
 def test_bucket_for(n, b):
     assert bucket_for(n) == b
 

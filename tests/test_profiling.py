@@ -289,7 +289,7 @@ def test_diagonal_cells_and_rows():
     assert profiling.diagonal_cells((8, 32, 128, 256), max_rows=64, block=G) == [(2, 8), (8, 32), (32, 128), (64, 256)]
     assert [realistic_rows(b) for b in (8, 16, 32, 64, 128, 256, 512)] == [2, 4, 8, 16, 32, 64, 64]
     assert profiling.row_buckets(512, G) == (1, 2, 4, 8, 16, 32, 64)
-    assert profiling.token_buckets(256) == (8, 16, 32, 64, 128, 256)
+    assert profiling.token_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
     with pytest.raises(ValueError, match="max_tokens"):
         profiling.token_buckets(4096)
 

@@ -26,7 +26,7 @@ from jax import lax
 
 # Padded sizes for the number of new tokens in one packed call: the cost of a step grows with the real
 # number of tokens, and each size compiles once.
-BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Chunk sizes for prefill: a prompt is cut into chunks of these sizes, so prompt lengths do not each compile.
 PREFILL_CHUNKS = (16, 64, 256)
 # Granularity of the attention window over the cache (see `context_bucket`).
