@@ -144,6 +144,7 @@ class DraftOut(NamedTuple):
     conf_logits: jax.Array  # float32 [R, G] the confidence head's raw logits
     lengths: jax.Array  # int32 [R] scheduled drafts
     batch_tokens: jax.Array  # int32 []
+    drafted: jax.Array  # bool [] False when the round skipped the drafter (plain decoding was expected faster)
 
 
 class RoundOut(NamedTuple):
@@ -169,6 +170,7 @@ class RoundStats:
     confidences: np.ndarray | None = None  # [active, G] calibrated confidences (with record_confidences)
     confidence_logits: np.ndarray | None = None  # [active, G] raw confidence logits (with record_confidences)
     finished: int = 0  # requests that finished in the round (admission included)
+    drafted: bool = False  # the drafter ran this round
 
 
 @dataclasses.dataclass
@@ -444,7 +446,8 @@ class Engine:
         stats = RoundStats(active=n, scheduled=lengths.astype(np.int64), accepted=accepted[:n].astype(np.int64),
                            emitted=total, batch_tokens=B, padded_tokens=T, seconds=seconds,
                            compiled=compile_count() != compiles, confidences=conf, confidence_logits=conf_logits,
-                           finished=len(self.finished_ids) - finished_before)
+                           finished=len(self.finished_ids) - finished_before,
+                           drafted=bool(d.drafted) if d is not None else False)
         self.rounds.append(stats)
         return stats
 
@@ -479,6 +482,7 @@ class Engine:
             "accept_len": float(np.mean(acc + 1)),
             "rejected_share": float(1 - acc.sum() / sched.sum()) if sched.sum() > 0 else 0.0,
             "mean_batch_tokens": float(np.mean([r.batch_tokens for r in self.rounds])),
+            "drafted_share": float(np.mean([r.drafted for r in self.rounds])),
         }
 
 
@@ -543,26 +547,47 @@ def _policy_lengths(policy: Policy, conf, hist, sps, row_valid, G):
 @functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity"))
 def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, temperature, *,
                         seed: int, capacity: int, R: int, policy: Policy, greedy: bool, context: int) -> DraftOut:
-    """Draft a block for the first R rows, compute calibrated confidences, apply the policy."""
+    """Draft a block for the first R rows, compute calibrated confidences, apply the policy.
+
+    With a cost model, the ``dspark`` policies first decide whether drafting pays at all this round: the
+    expected throughput of the schedule on the previous round's confidences (known before this round's
+    drafts exist, so the decision cannot bias them) with the drafter's cost, against plain decoding
+    without it. A busy engine whose drafts would not pay for the drafter skips it (a `lax.cond`).
+    """
     drafter = nnx.merge(graph, dstate)
     G = drafter.cfg.block
+    W = head_w.shape[1]
     rows, row_valid = _device_rows(state.active, R)
     ctx_len = state.cache.lengths[rows]
-    keys = _key(seed, 1, state.request[rows], ctx_len)
-    t = jnp.float32(0.0) if greedy else temperature
-    tokens, probs, conf_logits = dr.draft(drafter, state.dcache, rows, ctx_len, state.anchor[rows], keys, t, embed,
-                                          head_w, context=context)
-    conf = calibration.apply_sts(conf_logits, temps)  # [R, G]
+    n_active = jnp.sum(row_valid, dtype=jnp.int32)
+    gate = jnp.bool_(True)
     if cost is not None:  # this round's curve: draft(R, L) + verify(R, B, L) for its requests and context
-        sps = sps_from_cost(cost, jnp.sum(row_valid, dtype=jnp.int32), jnp.max(jnp.where(row_valid, ctx_len, 0)))
+        longest = jnp.max(jnp.where(row_valid, ctx_len, 0))
+        sps = sps_from_cost(cost, n_active, longest)
+        if policy.kind in ("dspark", "dspark-async"):
+            plain = sps_from_cost(cost, n_active, longest, with_draft=False)
+            expected = scheduler.schedule(state.conf_hist[0][rows], sps, active=row_valid).throughput
+            gate = expected > n_active.astype(jnp.float32) * scheduler.sps_lookup(plain, n_active)
+
+    def run_drafter():
+        keys = _key(seed, 1, state.request[rows], ctx_len)
+        t = jnp.float32(0.0) if greedy else temperature
+        return dr.draft(drafter, state.dcache, rows, ctx_len, state.anchor[rows], keys, t, embed, head_w,
+                        context=context)
+
+    def skip():
+        return (jnp.zeros((R, G), jnp.int32), jnp.zeros((R, G, W), jnp.float32), jnp.zeros((R, G), jnp.float32))
+
+    tokens, probs, conf_logits = jax.lax.cond(gate, run_drafter, skip)
+    conf = calibration.apply_sts(conf_logits, temps)  # [R, G]
     hist = state.conf_hist[1][rows]
-    lengths = jnp.where(row_valid, _policy_lengths(policy, conf, hist, sps, row_valid, G), 0)
+    lengths = jnp.where(row_valid & gate, _policy_lengths(policy, conf, hist, sps, row_valid, G), 0)
     # Caps that never look at the drafts: the request's remaining budget and the slot's capacity.
     remaining = state.max_new[rows] - state.generated[rows]
     lengths = jnp.clip(lengths, 0, jnp.minimum(remaining - 1, capacity - ctx_len - 1))
     lengths = jnp.where(row_valid, lengths, 0).astype(jnp.int32)
     batch = jnp.sum(jnp.where(row_valid, 1 + lengths, 0)).astype(jnp.int32)
-    return DraftOut(tokens, probs, conf, conf_logits, lengths, batch)
+    return DraftOut(tokens, probs, conf, conf_logits, lengths, batch, gate)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "R", "T", "G", "window", "greedy", "drafting", "seed"),
@@ -621,8 +646,9 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, graph, d
         dcache = dr.write_context(drafter, dcache, extras.taps, slots, positions, valid)
     write = jnp.where(row_valid, rows, state.anchor.shape[0])  # padding rows write nothing
     hist = state.conf_hist
-    if drafting:
-        hist = hist.at[1].set(hist[0]).at[0, write].set(d.conf, mode="drop")
+    if drafting:  # a round that skipped the drafter keeps the history it decided on
+        new = hist.at[1].set(hist[0]).at[0, write].set(d.conf, mode="drop")
+        hist = jnp.where(d.drafted, new, hist)
     new_state = state.replace(
         cache=cache, dcache=dcache, conf_hist=hist,
         anchor=state.anchor.at[write].set(nxt, mode="drop"),

@@ -191,7 +191,7 @@ def test_bad_input_is_rejected(model, drafter):
         eng.Engine(model, drafter, "fixed:2", sts_temperatures=[1.0, 2.0])
 
 
-def synthetic_cost_table(block=4):
+def synthetic_cost_table(block=4, draft_cost=0.002):
     """An SPS table with a cost model: steps get slower with rows, tokens and context."""
     from dspark_jax.sps import CostModel, SPSMetadata, SPSTable, round_windows
 
@@ -201,7 +201,7 @@ def synthetic_cost_table(block=4):
     verify = tuple(tuple(tuple(0.01 * (1 + c) + 0.001 * r + 0.0005 * t for t in toks) for r in rows)
                    for c in range(len(contexts)))
     zeros3 = tuple(tuple(tuple(0.0 for _ in toks) for _ in rows) for _ in contexts)
-    draft = tuple(tuple(0.002 * r for r in rows) for _ in contexts)
+    draft = tuple(tuple(draft_cost * r for r in rows) for _ in contexts)
     zeros2 = tuple(tuple(0.0 for _ in rows) for _ in contexts)
     cm = CostModel(block=block, context_step=128, window_rule="step", context_lengths=contexts,
                    windows=tuple(w[0] for w in windows), draft_windows=tuple(w[1] for w in windows), rows=rows,
@@ -224,3 +224,14 @@ def test_cost_model_drives_the_schedule_without_recompiling(model, drafter):
     with pytest.raises(ValueError, match="window rule"):
         eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, window_rule="pow2"),
                    sps=table)
+
+
+def test_busy_engine_skips_a_drafter_that_does_not_pay(model, drafter):
+    """With a drafter that costs ten verification steps, dspark decodes plainly (and stays lossless)."""
+    ps = prompts(3, seed=4)
+    ref, _ = plain_generate(model, ps, 8, 0.0, num_slots=3, stop_ids=[], capacity=64)
+    for draft_cost, drafts in ((1.0, False), (0.0, True)):
+        e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64),
+                       sps=synthetic_cost_table(draft_cost=draft_cost), stop_ids=[])
+        assert [c.output_ids for c in e.run(ps, 8)] == [r.output_ids for r in ref]
+        assert any(r.drafted for r in e.rounds) == drafts
