@@ -179,6 +179,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     folder = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; results are meant to be read by others
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
