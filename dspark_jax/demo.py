@@ -32,14 +32,14 @@ def main(argv=None):
     t0 = time.perf_counter()
     model = LlamaModel.from_gguf()
     drafter, meta, temps, path = resolve_drafter("dspark", target_cfg=model.cfg)
-    sps = default_sps_table().to_dense()
+    sps = default_sps_table()
     tok = model.tokenizer
     prompts = mixed_prompts(tok, shipped_prompts_dir(), max_prompt_tokens=256)
     G = drafter.cfg.block
     capacity = -(-(256 + args.max_new_tokens + G + 1) // 128) * 128
     info = device_info()
     print(f"target SmolLM2-135M-Instruct ({info['backend']}, {info['host']}), drafter {path.name} "
-          f"(G={G}, {drafter.cfg.head} head), SPS table up to B={len(sps) - 1}\n")
+          f"(G={G}, {drafter.cfg.head} head), SPS table up to B={sps.max_tokens}\n")
 
     engine = Engine(model, drafter, "dspark", EngineConfig(num_slots=1, capacity=capacity), sts_temperatures=temps,
                     sps=sps)

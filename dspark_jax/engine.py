@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import calibration, scheduler, verify
-from dspark_jax.sps import SPSTable, context_window, sps_from_cost
+from dspark_jax.sps import SPSTable, context_window, default_sps_table, sps_from_cost
 from dspark_jax.timing import compile_count
 from dspark_jax.models import drafter as dr
 from dspark_jax.models.llama import (
@@ -171,6 +171,7 @@ class RoundStats:
     confidence_logits: np.ndarray | None = None  # [active, G] raw confidence logits (with record_confidences)
     finished: int = 0  # requests that finished in the round (admission included)
     drafted: bool = False  # the drafter ran this round
+    context: int = 0  # committed tokens of the round's longest request (the cost model's L)
 
 
 @dataclasses.dataclass
@@ -243,8 +244,6 @@ class Engine:
         self.cost = None
         if self.policy.kind in ("dspark", "dspark-async"):
             if sps is None:
-                from dspark_jax.sps import default_sps_table  # noqa: PLC0415  (optional asset)
-
                 sps = default_sps_table()
             if isinstance(sps, SPSTable):
                 if sps.cost_model is not None:
@@ -447,7 +446,7 @@ class Engine:
                            emitted=total, batch_tokens=B, padded_tokens=T, seconds=seconds,
                            compiled=compile_count() != compiles, confidences=conf, confidence_logits=conf_logits,
                            finished=len(self.finished_ids) - finished_before,
-                           drafted=bool(d.drafted) if d is not None else False)
+                           drafted=bool(d.drafted) if d is not None else False, context=longest)
         self.rounds.append(stats)
         return stats
 

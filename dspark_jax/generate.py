@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dspark_jax.drafters import resolve_drafter
 from dspark_jax.engine import Engine, EngineConfig, parse_policy
+from dspark_jax.models.gguf import MODEL_FILE
 from dspark_jax.models.llama import LlamaModel
 
 
@@ -68,12 +69,12 @@ def build_engine(model, args, max_prompt: int) -> Engine:
     drafter = temps = sps = None
     if policy.drafts:
         drafter, _, temps, _ = resolve_drafter(args.draft, target_cfg=model.cfg)
+    block = drafter.cfg.block if drafter is not None else 1
     if policy.kind in ("dspark", "dspark-async"):
         from dspark_jax.sps import default_sps_table, load_sps_table  # noqa: PLC0415
 
-        table = load_sps_table(args.sps, model="SmolLM2-135M-Instruct") if args.sps else default_sps_table()
-        sps = table.to_dense()
-    block = drafter.cfg.block if drafter is not None else 1
+        name = Path(args.model).name if args.model else MODEL_FILE
+        sps = load_sps_table(args.sps, model=name, block=block) if args.sps else default_sps_table(model=name)
     capacity = -(-(max_prompt + args.max_new_tokens + block + 1) // 128) * 128
     cfg = EngineConfig(num_slots=args.concurrency, capacity=capacity, temperature=args.temperature, seed=args.seed)
     return Engine(model, drafter, policy, cfg, sts_temperatures=temps, sps=sps)

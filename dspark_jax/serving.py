@@ -125,13 +125,15 @@ def closed_loop(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: i
     )
 
 
-def scheduling_quality(rounds: Sequence[RoundStats], sps: np.ndarray) -> dict[str, float]:
+def scheduling_quality(rounds: Sequence[RoundStats], table) -> dict[str, float]:
     """Expected throughput of Algorithm 1 (first drop) against the best point of the greedy path, on the
-    recorded confidences of real rounds and the same SPS table."""
+    recorded confidences of real rounds, each with the steps/s curve the engine used for it (the table's
+    cost model at the round's requests and context, or its simple curve)."""
     ratios = []
     for r in rounds:
-        if r.confidences is None or len(r.confidences) == 0:
+        if r.confidences is None or len(r.confidences) == 0 or not r.drafted:
             continue
+        sps = table.sps_for(r.active, r.context) if table.cost_model is not None else table.to_dense()
         conf = np.asarray(r.confidences, np.float32)
         first = float(scheduler.schedule(conf, sps).throughput)
         best = float(scheduler.schedule(conf, sps, stop="argmax").throughput)

@@ -28,6 +28,7 @@ from dspark_jax.sps import default_sps_table, load_sps_table
 from dspark_jax.timing import device_info, format_table, write_json
 
 FIXED = ("fixed:1", "fixed:3", "fixed:7")
+MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def main(argv=None):
@@ -58,8 +59,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     model = LlamaModel.from_gguf()
     drafter, _, temps, _ = resolve_drafter(args.draft, target_cfg=model.cfg)
-    table = load_sps_table(args.sps, model="SmolLM2-135M-Instruct") if args.sps else default_sps_table()
-    sps = table.to_dense()
+    table = load_sps_table(args.sps, model=MODEL_NAME, block=7) if args.sps else default_sps_table()
     prompts = [ids for _, ids in mixed_prompts(model.tokenizer, args.prompts, max_prompt_tokens=args.max_prompt_tokens,
                                               seed=args.seed)]
     G = drafter.cfg.block
@@ -70,7 +70,7 @@ def main(argv=None):
     def measure(policy_text, n, temp):
         policy = parse_policy(policy_text)
         cfg = EngineConfig(num_slots=n, capacity=capacity, temperature=temp, seed=args.seed)
-        engine = Engine(model, drafter if policy.drafts else None, policy, cfg, sts_temperatures=temps, sps=sps)
+        engine = Engine(model, drafter if policy.drafts else None, policy, cfg, sts_temperatures=temps, sps=table)
         engine.record_confidences = policy.kind == "dspark"
         res = closed_loop(engine, prompts, n, args.max_new_tokens, warmup_rounds=args.warmup_rounds,
                           measure_rounds=args.rounds, repeats=args.repeats)
@@ -82,7 +82,7 @@ def main(argv=None):
         print(f"  T={temp:g} N={n:3d} {policy_text:14s} {res.tokens_per_s:8.1f} tok/s (+-{res.tokens_per_s_spread:.1f})"
               f"  accept {res.accept_len:.2f}  drafts/req {res.drafts_per_request:.2f}", flush=True)
         if policy.kind == "dspark":
-            quality[(n, temp)] = scheduling_quality(res.rounds, sps)
+            quality[(n, temp)] = scheduling_quality(res.rounds, table)
         return row
 
     for temp in args.temperatures:

@@ -43,3 +43,27 @@ def test_generate_streams_and_writes_json(gguf_path, target, tmp_path, capsys, m
                             "--temperature", "0.7", "--seed", "1", "--policy", "none"])
     assert [r["prompt"] for r in report["results"]] == ["Say hi.", "Count to 3."]
     assert all(1 <= len(r["output_ids"]) <= 6 for r in report["results"])
+
+
+@pytest.mark.slow
+def test_speculative_generate_equals_plain(gguf_path, target, tmp_path, monkeypatch):
+    """The issue's check on two dev-like prompts: --policy dspark (a random drafter, the shipped SPS table)
+    gives the same output_ids as --policy none at temperature 0, with both requests in one batch."""
+    import numpy as np
+    from flax import nnx
+
+    from dspark_jax.models.drafter import Drafter, DrafterConfig
+    from dspark_jax.training import save_drafter
+
+    monkeypatch.setattr(generate.LlamaModel, "from_gguf", classmethod(lambda cls, path=None: target))
+    cfg = DrafterConfig.for_target(target.cfg, n_layers=1, ffn_dim=64, rank=8, draft_vocab_size=1024)
+    save_drafter(Drafter(cfg, rngs=nnx.Rngs(0), vocab_ids=np.arange(1024)), tmp_path / "drafter")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in
+                               ["What is 12 times 7?", "Write a Python function that reverses a list."]))
+    common = ["--prompts", str(prompts), "--max-new-tokens", "20", "--concurrency", "2", "--quiet"]
+    plain = generate.main(common + ["--policy", "none"])
+    for policy in ("dspark", "fixed:3"):
+        spec = generate.main(common + ["--policy", policy, "--draft", str(tmp_path / "drafter")])
+        assert [r["output_ids"] for r in spec["results"]] == [r["output_ids"] for r in plain["results"]]
+        assert spec["summary"]["rounds"] > 0
