@@ -39,8 +39,10 @@ def main(argv=None):
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--policies", nargs="+", default=["none", *FIXED, "threshold", "dspark", "dspark-async"],
-                   help="'threshold' means the best of --thresholds, swept at each point")
+                   help="'threshold' means threshold:C at the best C of a sweep of --thresholds at one concurrency")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.9])
+    p.add_argument("--threshold-sweep-at", type=int, metavar="N",
+                   help="concurrency of the threshold sweep (default: the middle of --concurrency)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=384)
     p.add_argument("--warmup-rounds", type=int, default=6)
@@ -86,16 +88,23 @@ def main(argv=None):
         return row
 
     for temp in args.temperatures:
+        best_c, swept = None, {}
+        if "threshold" in args.policies:
+            # A small sweep of C at one concurrency picks the threshold used at every concurrency.
+            n0 = args.threshold_sweep_at or args.concurrency[len(args.concurrency) // 2]
+            sweep = [measure(f"threshold:{c:g}", n0, temp) for c in args.thresholds]
+            for r in sweep:
+                r["threshold_sweep"] = True
+            best_c = max(sweep, key=lambda r: r["tokens_per_s"])["policy"]
+            swept = {r["policy"]: r for r in sweep}
+            print(f"  T={temp:g}: best threshold at N={n0}: {best_c}", flush=True)
+            sweep_rows = sweep
         for n in args.concurrency:
             point = []
             for pol in args.policies:
                 if pol == "threshold":
-                    sweep = [measure(f"threshold:{c:g}", n, temp) for c in args.thresholds]
-                    best = max(sweep, key=lambda r: r["tokens_per_s"])
-                    for r in sweep:
-                        r["threshold_sweep"] = True
-                    point += sweep
-                    point.append(dict(best, policy="threshold:best", threshold=best["policy"], threshold_sweep=False))
+                    r = swept[best_c] if swept[best_c]["concurrency"] == n else measure(best_c, n, temp)
+                    point.append(dict(r, policy="threshold:best", threshold=best_c, threshold_sweep=False))
                 else:
                     point.append(measure(pol, n, temp))
             base = next((r["tokens_per_s"] for r in point if r["policy"] == "none"), None)
@@ -107,6 +116,10 @@ def main(argv=None):
                 r["best_fixed"] = best_fixed["policy"] if best_fixed else None
                 r.update(info)
             rows += point
+        if best_c is not None:
+            for r in sweep_rows:
+                r.update(info)
+            rows += sweep_rows
     wall = time.perf_counter() - t_start
     shown = [r for r in rows if not r.get("threshold_sweep")]
     print()

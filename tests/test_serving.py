@@ -1,0 +1,93 @@
+"""The closed-loop load generator, scheduling quality on recorded rounds, and the serving benchmark script."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dspark_jax import scheduler
+from dspark_jax.engine import RoundStats
+from dspark_jax.serving import scheduling_quality
+from dspark_jax.sps import SPSPoint, SPSTable
+
+
+def _round(conf):
+    conf = np.asarray(conf, np.float32)
+    r = len(conf)
+    return RoundStats(active=r, scheduled=np.zeros(r, int), accepted=np.zeros(r, int), emitted=r, batch_tokens=r,
+                      padded_tokens=r, seconds=0.1, compiled=False, confidences=conf, drafted=True, context=100)
+
+
+def test_scheduling_quality_monotone_table_is_exact():
+    """Steps/s falling smoothly (time linear in B): the path's throughput is unimodal, first drop = argmax."""
+    table = SPSTable([SPSPoint(b, 1.0 / (0.05 + 0.002 * b)) for b in (1, 8, 32, 128)])
+    rng = np.random.default_rng(0)
+    rounds = [_round(rng.uniform(0.05, 1.0, size=(4, 5))) for _ in range(30)]
+    q = scheduling_quality(rounds, table)
+    assert q["rounds"] == 30
+    assert q["mean_ratio"] == pytest.approx(1.0, abs=1e-6) and q["share_equal"] == 1.0
+
+
+def test_scheduling_quality_jagged_table_reports_the_gap():
+    """A table with a dip then a recovery: first drop stops at the dip, the argmax walks past it; the report
+    gives the same ratio as computing both schedules by hand, and rounds without drafts are skipped."""
+    table = SPSTable([SPSPoint(1, 20.0), SPSPoint(2, 10.0), SPSPoint(3, 19.5), SPSPoint(8, 19.0)])
+    conf = np.full((1, 6), 0.99, np.float32)
+    sps = table.to_dense()
+    first = float(scheduler.schedule(conf, sps).throughput)
+    best = float(scheduler.schedule(conf, sps, stop="argmax").throughput)
+    assert first < 0.98 * best
+    skipped = dict(vars(_round(conf)), drafted=False)
+    q = scheduling_quality([_round(conf), RoundStats(**skipped)], table)
+    assert q["rounds"] == 1
+    assert q["min_ratio"] == pytest.approx(first / best, rel=1e-5)
+    assert q["share_within_2pct"] == 0.0
+
+
+@pytest.mark.slow
+def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
+    """The benchmark script end to end on a tiny grid (real target, random drafter): every (policy, N, T)
+    row carries the documented fields, ratios are against `none` and the best fixed K of the same run, the
+    threshold policy uses the best C of its sweep, and the figures are written."""
+    from flax import nnx
+
+    from dspark_jax.models.drafter import Drafter, DrafterConfig
+    from dspark_jax.training import save_drafter
+    from profiling import bench_serving
+
+    monkeypatch.setattr(bench_serving.LlamaModel, "from_gguf", classmethod(lambda cls, path=None: target))
+    cfg = DrafterConfig.for_target(target.cfg, n_layers=1, ffn_dim=64, rank=8, draft_vocab_size=512, block=7)
+    save_drafter(Drafter(cfg, rngs=nnx.Rngs(0), vocab_ids=np.arange(512)), tmp_path / "drafter")
+    out = tmp_path / "serving.json"
+    bench_serving.main([
+        "--draft", str(tmp_path / "drafter"), "--concurrency", "1", "2", "--temperatures", "0",
+        "--policies", "none", "fixed:1", "fixed:3", "threshold", "dspark", "--thresholds", "0.2", "0.9",
+        "--threshold-sweep-at", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "96",
+        "--warmup-rounds", "1", "--rounds", "3", "--repeats", "1", "--json", str(out), "--plots", str(tmp_path / "fig"),
+    ])
+    report = json.loads(out.read_text())
+    rows = [r for r in report["rows"] if not r.get("threshold_sweep")]
+    sweep = [r for r in report["rows"] if r.get("threshold_sweep")]
+    assert {(r["policy"], r["concurrency"]) for r in rows} == {
+        (p, n) for p in ("none", "fixed:1", "fixed:3", "threshold:best", "dspark") for n in (1, 2)}
+    assert {r["policy"] for r in sweep} == {"threshold:0.2", "threshold:0.9"}
+    best_c = max(sweep, key=lambda r: r["tokens_per_s"])["policy"]
+    for n in (1, 2):
+        point = {r["policy"]: r for r in rows if r["concurrency"] == n}
+        for r in point.values():
+            for field in ("tokens_per_s", "tokens_per_s_per_user", "accept_len", "drafts_per_request",
+                          "rejected_share", "temperature"):
+                assert field in r, field
+            assert r["tokens_per_s"] > 0
+            assert r["tokens_per_s_per_user"] == pytest.approx(r["tokens_per_s"] / n)
+            assert r["ratio_vs_none"] == pytest.approx(r["tokens_per_s"] / point["none"]["tokens_per_s"])
+        best_fixed = max(point["fixed:1"]["tokens_per_s"], point["fixed:3"]["tokens_per_s"])
+        assert point["dspark"]["ratio_vs_best_fixed"] == pytest.approx(point["dspark"]["tokens_per_s"] / best_fixed)
+        assert point["threshold:best"]["threshold"] == best_c
+        assert point["none"]["drafts_per_request"] == 0 and point["none"]["accept_len"] == pytest.approx(1.0)
+        # Drafts are capped by each request's remaining token budget, never raised.
+        assert 0.0 < point["fixed:3"]["drafts_per_request"] <= 3.0
+        assert point["fixed:1"]["drafts_per_request"] <= 1.0
+    assert sorted(p.name for p in (tmp_path / "fig").glob("*.png"))
