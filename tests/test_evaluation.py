@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from dspark_jax import evaluation
@@ -37,3 +38,23 @@ def test_fixed_block_rounds_record_everything():
     assert rep["rounds"] == sum(r.active for r in rounds)
     assert all(r.confidence_logits.shape == (r.active, 3) for r in rounds)
     assert 1.0 <= rep["accept_len"] <= 4.0 and rep["ece_sts"] is not None
+
+
+def test_summary_pools_ece_exactly_from_bins():
+    """The README table's pooled ECE (merged reliability bins of per-domain reports) equals the ECE of the
+    union of their rounds."""
+    from dspark_jax import calibration
+    from train.summarize_eval import pool
+
+    rng = np.random.default_rng(3)
+    parts = []
+    for n, skew in ((500, 0.8), (1500, 1.3)):
+        pred = rng.uniform(size=n)
+        outcome = rng.uniform(size=n) < pred**skew
+        parts.append((pred, outcome))
+    reports = [{"rounds": len(p), "accept_len": 1.5, "auroc": 0.8, "per_position": [{"auroc_raw": 0.7}],
+                "reliability_raw": calibration.reliability_bins(p, o), "reliability_sts": None} for p, o in parts]
+    union = np.concatenate([p for p, _ in parts]), np.concatenate([o for _, o in parts])
+    got = pool(reports)
+    assert got["ece_raw"] == pytest.approx(float(calibration.ece(*union)), abs=1e-6)
+    assert got["ece_sts"] is None and got["rounds"] == 2000

@@ -1,6 +1,6 @@
 """Generate drafter training data: the target answers the training prompts itself (resumable).
 
-    python -m train.generate_data --prompts ../shared/data/prompts/train --out runs/data/responses
+    python -m train.generate_data --prompts ../shared/data/prompts/train --out runs/data/responses --max-prompts 1152
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ def main(argv=None):
     p.add_argument("--out", default="runs/data/responses")
     p.add_argument("--model", default=None, help="GGUF path (default: the cached SmolLM2-135M-Instruct)")
     p.add_argument("--limit", type=int, default=None, help="prompts per file")
+    p.add_argument("--max-prompts", type=int, default=None,
+                   help="use the first N prompts after shuffling (the shipped drafters used 1152: 12 chunks)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=384)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.3, 1.0],
@@ -36,7 +38,7 @@ def main(argv=None):
             p.error(f"--prompts {path}: dev prompts are for evaluation only; never train on them")
     prompts = load_prompts(args.prompts, limit=args.limit)
     order = np.random.default_rng(args.shuffle_seed).permutation(len(prompts))
-    prompts = [prompts[i] for i in order]
+    prompts = [prompts[i] for i in order][: args.max_prompts]
     model = LlamaModel.from_gguf(args.model)
     files = generate_responses(model, prompts, args.out, max_new_tokens=args.max_new_tokens,
                                temperatures=args.temperatures, seed=args.seed, num_slots=args.slots,
