@@ -107,13 +107,23 @@ def parse_policy(text: str) -> Policy:
                      f"(K an integer >= 0, C a number in [0, 1])")
 
 
+GATE_EMA = 0.5  # weight of the newest round in the per-request confidence average the drafter gate reads
+GLOBAL_EMA = 0.1  # weight of the newest round in the engine-wide average (a new request's starting point)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     num_slots: int = 16
     capacity: int = 1024
     temperature: float = 0.0
     seed: int = 0
-    prior_confidence: float = 0.7  # stale confidence of a request with no history yet (dspark-async)
+    # Starting value of the engine-wide average confidence per position, which a request with no history
+    # yet takes as its stale confidences (dspark-async) and average (the gate); the average then follows
+    # the drafted rounds.
+    prior_confidence: float = 0.7
+    # The dspark policies' drafter gate: after this many consecutive rounds without drafting, draft once to
+    # refresh the confidence estimates it decides on (a decision made from counters alone: lossless).
+    gate_probe_every: int = 8
     # Attention windows over the caches: "step" = multiples of 128 (reads little beyond the context held),
     # "pow2" = powers of two (fewer shapes to compile). SPS cost models record the rule they were profiled with.
     window_rule: str = "step"
@@ -132,6 +142,9 @@ class EngineState:
     generated: jax.Array  # int32 [S] tokens emitted so far
     max_new: jax.Array  # int32 [S]
     conf_hist: jax.Array  # float32 [2, S, G] calibrated confidences of the last two rounds (0 = latest)
+    conf_ema: jax.Array  # float32 [S, G] per-request average of calibrated confidences over drafted rounds
+    skipped: jax.Array  # int32 [] consecutive rounds that skipped the drafter
+    conf_global: jax.Array  # float32 [G] engine-wide average confidences (what a new request starts from)
 
     def replace(self, **kw) -> "EngineState":
         return dataclasses.replace(self, **kw)
@@ -241,6 +254,8 @@ class Engine:
             self.draft_vocab = None if self.drafter.cfg.draft_vocab == target.cfg.vocab_size else self.drafter.vocab_ids[...]
         if config.window_rule not in ("step", "pow2"):
             raise ValueError(f"window_rule: expected 'step' or 'pow2', got {config.window_rule!r}")
+        if config.gate_probe_every < 1:
+            raise ValueError(f"gate_probe_every: expected an integer >= 1, got {config.gate_probe_every}")
         self.cost = None
         if self.policy.kind in ("dspark", "dspark-async"):
             if sps is None:
@@ -280,6 +295,8 @@ class Engine:
             cache=cache, dcache=dcache, anchor=jnp.zeros(S, jnp.int32), active=jnp.zeros(S, bool),
             request=jnp.zeros(S, jnp.int32), generated=jnp.zeros(S, jnp.int32), max_new=jnp.zeros(S, jnp.int32),
             conf_hist=jnp.full((2, S, self.G), c.prior_confidence, jnp.float32),
+            conf_ema=jnp.full((S, self.G), c.prior_confidence, jnp.float32), skipped=jnp.int32(0),
+            conf_global=jnp.full((self.G,), c.prior_confidence, jnp.float32),
         )
 
     # ------------------------------------------------------------------------------------------------ requests
@@ -345,8 +362,7 @@ class Engine:
                                   seed=self.cfg.seed, greedy=self.greedy))
         finished = max_new <= 1 or bool(np.isin(first, self.stop_ids))
         self.state = _admit_slot(st.replace(cache=cache, dcache=dcache), jnp.int32(slot), jnp.int32(rid),
-                                 jnp.int32(first), jnp.int32(max_new), jnp.bool_(not finished),
-                                 jnp.float32(self.cfg.prior_confidence))
+                                 jnp.int32(first), jnp.int32(max_new), jnp.bool_(not finished))
         return first, finished
 
     def warm_up(self, max_prompt_tokens: int) -> int:
@@ -359,8 +375,7 @@ class Engine:
         # prefill chunks and the first-token sampler, on slot 0 (then released)
         for size in sorted({size for n in range(1, max_prompt_tokens + 1) for size, _ in prefill_chunks(n)}):
             self._prefill(0, 0, [1] * min(size, max_prompt_tokens), 1)
-        self.state = _admit_slot(self.state, jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.int32(1), jnp.bool_(False),
-                                 jnp.float32(self.cfg.prior_confidence))
+        self.state = _admit_slot(self.state, jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.int32(1), jnp.bool_(False))
         temp = jnp.float32(self.cfg.temperature)
         drafting = self.drafter is not None
         shapes = 0
@@ -373,8 +388,9 @@ class Engine:
             if drafting:
                 for w in draft_windows:
                     d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed,
-                                            self.head_w, self.temps, self.sps, self.cost, temp, seed=self.cfg.seed, capacity=cap,
-                                            R=R, policy=self.policy, greedy=self.greedy, context=w)
+                                            self.head_w, self.temps, self.sps, self.cost, temp, seed=self.cfg.seed,
+                                            capacity=cap, R=R, policy=self.policy, greedy=self.greedy,
+                                            probe_every=self.cfg.gate_probe_every, context=w)
             else:
                 d = None
             lo = R // 2 + 1
@@ -390,6 +406,9 @@ class Engine:
             if R >= S:
                 break
             R = min(2 * R, S)
+        # The drafter gate's state starts afresh (warm-up rounds had no requests).
+        self.state = self.state.replace(skipped=jnp.int32(0),
+                                        conf_global=jnp.full((G,), self.cfg.prior_confidence, jnp.float32))
         jax.block_until_ready(self.state)
         return shapes
 
@@ -413,7 +432,7 @@ class Engine:
         if drafting:
             d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed, self.head_w,
                                     self.temps, self.sps, self.cost, temp, seed=self.cfg.seed, capacity=self.cfg.capacity, R=R,
-                                    policy=self.policy, greedy=self.greedy,
+                                    policy=self.policy, greedy=self.greedy, probe_every=self.cfg.gate_probe_every,
                                     context=_window(longest, self.cfg.capacity, self.cfg.window_rule))
             B = int(d.batch_tokens)  # the one value the host needs: it picks the token bucket
         else:
@@ -512,14 +531,15 @@ def _sample_first(logits, request, position, temperature, *, seed, greedy):
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _admit_slot(state, slot, request, first, max_new, live, prior):
+def _admit_slot(state, slot, request, first, max_new, live):
     return state.replace(
         anchor=state.anchor.at[slot].set(first),
         active=state.active.at[slot].set(live),
         request=state.request.at[slot].set(request),
         generated=state.generated.at[slot].set(1),
         max_new=state.max_new.at[slot].set(max_new),
-        conf_hist=state.conf_hist.at[:, slot].set(prior),
+        conf_hist=state.conf_hist.at[:, slot].set(state.conf_global),
+        conf_ema=state.conf_ema.at[slot].set(state.conf_global),
     )
 
 
@@ -543,15 +563,17 @@ def _policy_lengths(policy: Policy, conf, hist, sps, row_valid, G):
     raise ValueError(f"policy {policy} does not draft")
 
 
-@functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity"))
+@functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity", "probe_every"))
 def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, temperature, *,
-                        seed: int, capacity: int, R: int, policy: Policy, greedy: bool, context: int) -> DraftOut:
+                        seed: int, capacity: int, R: int, policy: Policy, greedy: bool, context: int,
+                        probe_every: int = 8) -> DraftOut:
     """Draft a block for the first R rows, compute calibrated confidences, apply the policy.
 
     With a cost model, the ``dspark`` policies first decide whether drafting pays at all this round: the
-    expected throughput of the schedule on the previous round's confidences (known before this round's
-    drafts exist, so the decision cannot bias them) with the drafter's cost, against plain decoding
-    without it. A busy engine whose drafts would not pay for the drafter skips it (a `lax.cond`).
+    expected throughput of the schedule on each request's average confidences over its earlier drafted rounds
+    (known before this round's drafts exist, so the decision cannot bias them) with the drafter's cost,
+    against plain decoding without it. A busy engine whose drafts would not pay for the drafter skips it (a
+    `lax.cond`); after ``probe_every`` skipped rounds in a row it drafts once to refresh the averages.
     """
     drafter = nnx.merge(graph, dstate)
     G = drafter.cfg.block
@@ -565,8 +587,9 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
         sps = sps_from_cost(cost, n_active, longest)
         if policy.kind in ("dspark", "dspark-async"):
             plain = sps_from_cost(cost, n_active, longest, with_draft=False)
-            expected = scheduler.schedule(state.conf_hist[0][rows], sps, active=row_valid).throughput
+            expected = scheduler.schedule(state.conf_ema[rows], sps, active=row_valid).throughput
             gate = expected > n_active.astype(jnp.float32) * scheduler.sps_lookup(plain, n_active)
+            gate = gate | (state.skipped >= probe_every)
 
     def run_drafter():
         keys = _key(seed, 1, state.request[rows], ctx_len)
@@ -644,12 +667,17 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, graph, d
         drafter = nnx.merge(graph, dstate)
         dcache = dr.write_context(drafter, dcache, extras.taps, slots, positions, valid)
     write = jnp.where(row_valid, rows, state.anchor.shape[0])  # padding rows write nothing
-    hist = state.conf_hist
+    hist, ema, skipped, glob = state.conf_hist, state.conf_ema, state.skipped, state.conf_global
     if drafting:  # a round that skipped the drafter keeps the history it decided on
         new = hist.at[1].set(hist[0]).at[0, write].set(d.conf, mode="drop")
         hist = jnp.where(d.drafted, new, hist)
+        avg = ema.at[write].set(GATE_EMA * d.conf + (1 - GATE_EMA) * ema[rows], mode="drop")
+        ema = jnp.where(d.drafted, avg, ema)
+        skipped = jnp.where(d.drafted, 0, skipped + 1).astype(jnp.int32)
+        mean = jnp.sum(jnp.where(row_valid[:, None], d.conf, 0), 0) / jnp.maximum(jnp.sum(row_valid), 1)
+        glob = jnp.where(d.drafted & jnp.any(row_valid), GLOBAL_EMA * mean + (1 - GLOBAL_EMA) * glob, glob)
     new_state = state.replace(
-        cache=cache, dcache=dcache, conf_hist=hist,
+        cache=cache, dcache=dcache, conf_hist=hist, conf_ema=ema, skipped=skipped, conf_global=glob,
         anchor=state.anchor.at[write].set(nxt, mode="drop"),
         generated=state.generated.at[write].add(counts, mode="drop"),
         active=state.active.at[write].set(~finished, mode="drop"),

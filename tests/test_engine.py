@@ -227,11 +227,18 @@ def test_cost_model_drives_the_schedule_without_recompiling(model, drafter):
 
 
 def test_busy_engine_skips_a_drafter_that_does_not_pay(model, drafter):
-    """With a drafter that costs ten verification steps, dspark decodes plainly (and stays lossless)."""
+    """With a drafter that costs ten verification steps, dspark decodes plainly (and stays lossless); with
+    probes it drafts exactly once after every `gate_probe_every` skipped rounds, to refresh its estimates."""
     ps = prompts(3, seed=4)
-    ref, _ = plain_generate(model, ps, 8, 0.0, num_slots=3, stop_ids=[], capacity=64)
-    for draft_cost, drafts in ((1.0, False), (0.0, True)):
-        e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64),
+    ref, _ = plain_generate(model, ps, 12, 0.0, num_slots=3, stop_ids=[], capacity=64)
+    for draft_cost, probe in ((1.0, 1000), (1.0, 2), (0.0, 1000)):
+        e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=probe),
                        sps=synthetic_cost_table(draft_cost=draft_cost), stop_ids=[])
-        assert [c.output_ids for c in e.run(ps, 8)] == [r.output_ids for r in ref]
-        assert any(r.drafted for r in e.rounds) == drafts
+        assert [c.output_ids for c in e.run(ps, 12)] == [r.output_ids for r in ref]
+        drafted = [r.drafted for r in e.rounds]
+        if draft_cost == 0.0:
+            assert any(drafted)
+        elif probe == 1000:
+            assert not any(drafted)
+        else:
+            assert drafted[:6] == [False, False, True, False, False, True], drafted
