@@ -18,7 +18,7 @@ $(VENV)/.test: $(VENV)/.base
 	touch $@
 
 demo: $(VENV)/.base
-	$(PY) -m profiling.bench_scheduler --quick
+	$(PY) -m dspark_jax.demo
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q tests
