@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import calibration, scheduler, verify
-from dspark_jax.sps import SPSTable, context_window, default_sps_table, sps_from_cost
+from dspark_jax.sps import SPSTable, context_window, default_sps_table, plain_sps_from_cost, sps_from_cost
 from dspark_jax.timing import compile_count
 from dspark_jax.models import drafter as dr
 from dspark_jax.models.llama import (
@@ -395,13 +395,15 @@ class Engine:
                 d = None
             lo = R // 2 + 1
             hi = R * (G + 1) if drafting else R
-            for T in sorted({bucket_for(b) for b in range(lo, hi + 1)}):
+            plain = {(bucket_for(b), 1) for b in range(lo, R + 1)}  # rounds without drafts: B = n
+            spec = {(bucket_for(b), G + 1) for b in range(lo + 1, hi + 1)} if drafting else set()
+            for T, per_slot in sorted(plain | spec):
                 for w in windows:
                     self.state, out = _verify_and_commit(
                         self.target.weights, self.state, d, self.d_graph if drafting else None,
                         self.d_state if drafting else None, self.draft_vocab if drafting else None, temp,
                         jnp.asarray(self.stop_ids), seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G,
-                        window=w, greedy=self.greedy, drafting=drafting)
+                        window=w, greedy=self.greedy, drafting=drafting, per_slot=per_slot)
                     shapes += 1
             if R >= S:
                 break
@@ -442,7 +444,7 @@ class Engine:
             self.target.weights, self.state, d, self.d_graph if drafting else None,
             self.d_state if drafting else None, self.draft_vocab if drafting else None, temp,
             jnp.asarray(self.stop_ids), seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G, window=window,
-            greedy=self.greedy, drafting=drafting)
+            greedy=self.greedy, drafting=drafting, per_slot=G + 1 if B > n else 1)
         emitted, counts, finished, accepted, new_len = jax.device_get(
             (out.emitted, out.counts, out.finished, out.accepted, out.new_lengths))
         lengths = np.asarray(d.lengths)[:n] if d is not None else np.zeros(n, np.int64)
@@ -586,9 +588,9 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
         longest = jnp.max(jnp.where(row_valid, ctx_len, 0))
         sps = sps_from_cost(cost, n_active, longest)
         if policy.kind in ("dspark", "dspark-async"):
-            plain = sps_from_cost(cost, n_active, longest, with_draft=False)
+            plain = n_active.astype(jnp.float32) * plain_sps_from_cost(cost, n_active, longest)
             expected = scheduler.schedule(state.conf_ema[rows], sps, active=row_valid).throughput
-            gate = expected > n_active.astype(jnp.float32) * scheduler.sps_lookup(plain, n_active)
+            gate = expected > plain
             gate = gate | (state.skipped >= probe_every)
 
     def run_drafter():
@@ -612,12 +614,15 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     return DraftOut(tokens, probs, conf, conf_logits, lengths, batch, gate)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "R", "T", "G", "window", "greedy", "drafting", "seed"),
+@functools.partial(jax.jit, static_argnames=("cfg", "R", "T", "G", "window", "greedy", "drafting", "seed", "per_slot"),
                    donate_argnames=("state",))
 def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, graph, dstate, draft_vocab, temperature,
                        stop_ids, *, seed: int, cfg, R: int, T: int, G: int, window: int, greedy: bool,
-                       drafting: bool) -> tuple[EngineState, RoundOut]:
-    """Pack the scheduled tokens, verify them with one target pass, accept, commit, emit."""
+                       drafting: bool, per_slot: int) -> tuple[EngineState, RoundOut]:
+    """Pack the scheduled tokens, verify them with one target pass, accept, commit, emit.
+
+    ``per_slot`` is the most tokens a row verifies: ``G + 1``, or 1 for a round that scheduled no drafts (a
+    plain round then costs what plain decoding costs)."""
     rows, row_valid = _device_rows(state.active, R)
     ctx_len = state.cache.lengths[rows]  # [R] anchor positions
     anchors = state.anchor[rows]
@@ -638,7 +643,7 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, graph, d
     slots = rows[tok_row]
     positions = jnp.where(valid, ctx_len[tok_row] + col, 0)
     logits, extras, cache = forward_packed(weights, state.cache, tokens, slots, positions, valid, cfg,
-                                           G + 1 if drafting else 1, rows, window)
+                                           per_slot, rows, window)
     # ---- unpack to rows: logits of [anchor, x1..x_G] -> [R, G + 1, V]
     idx = jnp.clip(starts[:, None] + jnp.arange(G + 1)[None, :], 0, T - 1)
     row_logits = logits[idx]

@@ -22,6 +22,7 @@ request, W attention window.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import os
@@ -38,7 +39,8 @@ from tqdm import tqdm
 
 from dspark_jax.models.drafter import (Drafter, DrafterConfig, draft, draft_head_weights,
                                        init_drafter_cache)
-from dspark_jax.models.llama import BUCKETS, CONTEXT_STEP, LlamaConfig, LlamaWeights, forward_packed, init_cache
+from dspark_jax.models.llama import (BUCKETS, CONTEXT_STEP, LlamaConfig, LlamaWeights, bucket_for, forward_packed,
+                                     init_cache)
 from dspark_jax.sps import CostModel, SPSMetadata, SPSPoint, SPSTable, realistic_rows, round_windows
 from dspark_jax.timing import Timing, time_call
 
@@ -191,8 +193,8 @@ def _device_of(x: jax.Array) -> jax.Device:
     return next(iter(x.devices()))
 
 
-def verify_batch(*, rows: int, batch_tokens: int, context: int, block: int, vocab_size: int
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def verify_batch(*, rows: int, batch_tokens: int, context: int, block: int, vocab_size: int,
+                 plain: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The packed batch :func:`time_verify` runs: ``B = min(T, R * (G + 1))`` valid tokens dealt round-robin
     over slots ``0..R-1`` at positions ``L, L + 1, ...``, then padding.
 
@@ -200,7 +202,7 @@ def verify_batch(*, rows: int, batch_tokens: int, context: int, block: int, voca
       tokens, slots, positions (int32 [T]) and valid (bool [T]).
     """
     idx = np.arange(batch_tokens)
-    n_valid = min(batch_tokens, rows * (block + 1))
+    n_valid = min(batch_tokens, rows if plain else rows * (block + 1))
     tokens = (idx % vocab_size).astype(np.int32)
     slots = (idx % rows).astype(np.int32)
     positions = (context + np.minimum(idx // rows, block)).astype(np.int32)
@@ -209,23 +211,25 @@ def verify_batch(*, rows: int, batch_tokens: int, context: int, block: int, voca
 
 def time_verify(weights: LlamaWeights, cfg: LlamaConfig, *, rows: int, batch_tokens: int, context: int,
                 block: int = DEFAULT_BLOCK, window_rule: str = "pow2", repeats: int = 5, warmup: int = 1,
-                max_seconds: float | None = None) -> Timing:
+                max_seconds: float | None = None, plain: bool = False) -> Timing:
     """Seconds per packed verification of ``batch_tokens`` (T, padded size) over ``rows`` (R) requests that
     each hold ``context`` (L) tokens, as the engine runs it.
 
     ``B = min(T, R * (G + 1))`` tokens are valid, dealt round-robin over the rows (positions ``L, L + 1,
     ...``); the rest is padding. The cache has R slots of ``Wv = window(L + G + 1)`` positions, all read.
+    ``plain``: a round that verifies no drafts, as the engine runs it: one token per row (``B = R``) and
+    ``max_per_slot = 1``.
     """
     if rows < 1 or batch_tokens < 1 or context < 0:
         raise ValueError(f"rows, batch_tokens >= 1 and context >= 0 expected, got {rows}, {batch_tokens}, {context}")
-    M = block + 1
+    M = 1 if plain else block + 1
     W, _ = round_windows(context, block, CONTEXT_STEP, window_rule)
     # Every input committed to the weights' device, as the donated cache returned by each call is: otherwise
     # the second call compiles again (committed and uncommitted arguments compile separately).
     put = functools.partial(jax.device_put, device=_device_of(weights.embed))
     tokens, slots, positions, valid = (put(a) for a in verify_batch(rows=rows, batch_tokens=batch_tokens,
                                                                      context=context, block=block,
-                                                                     vocab_size=cfg.vocab_size))
+                                                                     vocab_size=cfg.vocab_size, plain=plain))
     row_slots = put(np.arange(rows, dtype=np.int32))  # [R]
     cache = init_cache(cfg, rows, W, weights.embed.dtype)
     state = {"cache": put(cache.replace(lengths=jnp.full((rows,), context, jnp.int32)))}
@@ -279,7 +283,8 @@ def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter
                        block: int = DEFAULT_BLOCK, window_rule: str = "pow2", repeats: int = 5, warmup: int = 1,
                        max_seconds: float | None = None, progress: bool = False) -> CostModel:
     """Measure a :class:`~dspark_jax.sps.CostModel`: the verification ``cells`` (default: every feasible
-    cell, :func:`verify_cells`) and the drafter at every row count, at every context length.
+    cell, :func:`verify_cells`), a plain round (no drafts) and the drafter at every row count, at every
+    context length.
 
     Args:
       weights, cfg: the target.
@@ -323,7 +328,10 @@ def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter
     verify_spread = [[[None] * T for _ in range(R)] for _ in range(C)]
     draft_s = [[0.0] * R for _ in range(C)]
     draft_spread = [[0.0] * R for _ in range(C)]
+    plain_s = [[0.0] * R for _ in range(C)]
+    plain_spread = [[0.0] * R for _ in range(C)]
     jobs = [(c, "draft", r, 0) for c in range(C) for r in rows if drafter is not None]
+    jobs += [(c, "plain", r, bucket_for(r)) for c in range(C) for r in rows]
     jobs += [(c, "verify", r, t) for c in range(C) for r, t in sorted(cells, key=lambda rt: rt[0] * rt[1])]
     timing_kw = dict(repeats=repeats, warmup=warmup, max_seconds=max_seconds)
     bar = tqdm(jobs, disable=not progress, desc="profiling", unit="cell")
@@ -333,6 +341,10 @@ def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter
             tm = time_draft(drafter, weights.embed, rows=r, context=contexts[c], window_rule=window_rule,
                             **timing_kw)
             draft_s[c][r_index[r]], draft_spread[c][r_index[r]] = tm.median, tm.spread
+        elif kind == "plain":
+            tm = time_verify(weights, cfg, rows=r, batch_tokens=t, context=contexts[c], block=block,
+                             window_rule=window_rule, plain=True, **timing_kw)
+            plain_s[c][r_index[r]], plain_spread[c][r_index[r]] = tm.median, tm.spread
         else:
             tm = time_verify(weights, cfg, rows=r, batch_tokens=t, context=contexts[c], block=block,
                              window_rule=window_rule, **timing_kw)
@@ -341,7 +353,7 @@ def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter
     return CostModel(block=block, context_step=CONTEXT_STEP, window_rule=window_rule, context_lengths=contexts,
                      windows=[w for w, _ in pairs], draft_windows=[w for _, w in pairs], rows=rows,
                      batch_tokens=batch_tokens, verify_s=verify, verify_spread_s=verify_spread, draft_s=draft_s,
-                     draft_spread_s=draft_spread)
+                     draft_spread_s=draft_spread, plain_s=plain_s, plain_spread_s=plain_spread)
 
 
 def sps_points(cost: CostModel, context: int) -> tuple[SPSPoint, ...]:
@@ -417,3 +429,26 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
                        dtype=str(jnp.dtype(weights.embed.dtype)), context_length=ref,
                        date=datetime.date.today().isoformat(), extra=meta_extra)
     return SPSTable(sps_points(cost, ref), meta, cost)
+
+
+def add_plain_rounds(table: SPSTable, weights: LlamaWeights, cfg: LlamaConfig, *, repeats: int = 5,
+                     warmup: int = 1, max_seconds: float | None = None, progress: bool = False) -> SPSTable:
+    """``table`` with its cost model's plain rounds (re)measured at every context and row count, on the
+    device that holds ``weights`` (for tables profiled before plain rounds were part of the profile)."""
+    cm = table.cost_model
+    if cm is None:
+        raise ValueError("add_plain_rounds: the table has no cost model to extend")
+    C, R = len(cm.context_lengths), len(cm.rows)
+    plain_s = [[0.0] * R for _ in range(C)]
+    plain_spread = [[0.0] * R for _ in range(C)]
+    jobs = [(c, r) for c in range(C) for r in range(R)]
+    for c, r in tqdm(jobs, disable=not progress, desc="plain rounds", unit="cell"):
+        rows = cm.rows[r]
+        tm = time_verify(weights, cfg, rows=rows, batch_tokens=bucket_for(rows), context=cm.context_lengths[c],
+                         block=cm.block, window_rule=cm.window_rule, plain=True, repeats=repeats, warmup=warmup,
+                         max_seconds=max_seconds)
+        plain_s[c][r], plain_spread[c][r] = tm.median, tm.spread
+    cost = dataclasses.replace(cm, plain_s=plain_s, plain_spread_s=plain_spread)
+    meta = dataclasses.replace(table.metadata, extra={**table.metadata.extra,
+                                                      "plain_rounds_date": datetime.date.today().isoformat()})
+    return SPSTable(table.points, meta, cost)

@@ -270,12 +270,20 @@ class CostModel:
     verify_spread_s: tuple  # [C][R][T] float or None (None exactly where verify_s is None)
     draft_s: tuple  # [C][R] float
     draft_spread_s: tuple  # [C][R] float
+    # A plain round (no drafts: one token per request, ``max_per_slot = 1``) at each row count, as the engine
+    # runs it when a round schedules nothing: [C][R] seconds, or None (then read from verify_s at B = rows).
+    plain_s: tuple | None = None
+    plain_spread_s: tuple | None = None
 
     _DEPTHS = {"context_lengths": 1, "windows": 1, "draft_windows": 1, "rows": 1, "batch_tokens": 1,
-               "verify_s": 3, "verify_spread_s": 3, "draft_s": 2, "draft_spread_s": 2}
+               "verify_s": 3, "verify_spread_s": 3, "draft_s": 2, "draft_spread_s": 2, "plain_s": 2,
+               "plain_spread_s": 2}
+    _OPTIONAL = ("plain_s", "plain_spread_s")
 
     def __post_init__(self):
         for name, depth in self._DEPTHS.items():
+            if name in self._OPTIONAL and getattr(self, name) is None:
+                continue
             try:
                 object.__setattr__(self, name, _nested(getattr(self, name), depth))
             except TypeError as e:
@@ -305,6 +313,17 @@ class CostModel:
         for name, shape in (("verify_s", (C, R, T)), ("verify_spread_s", (C, R, T)), ("draft_s", (C, R)),
                             ("draft_spread_s", (C, R))):
             self._check_shape(name, getattr(self, name), shape)
+        if (self.plain_s is None) != (self.plain_spread_s is None):
+            raise ValueError("cost model: plain_s and plain_spread_s must be given together")
+        if self.plain_s is not None:
+            self._check_shape("plain_s", self.plain_s, (C, R))
+            self._check_shape("plain_spread_s", self.plain_spread_s, (C, R))
+            for c in range(C):
+                for r in range(R):
+                    v, vs = self.plain_s[c][r], self.plain_spread_s[c][r]
+                    if not _finite(v) or v <= 0 or not _finite(vs) or vs < 0:
+                        raise ValueError(f"cost model: plain_s[{c}][{r}] (context {self.context_lengths[c]}, rows "
+                                         f"{self.rows[r]}) must be finite and > 0 with a spread >= 0, got {v!r}, {vs!r}")
         for c, L in enumerate(self.context_lengths):
             for r, rows in enumerate(self.rows):
                 d, ds = self.draft_s[c][r], self.draft_spread_s[c][r]
@@ -374,6 +393,23 @@ class CostModel:
         b = np.arange(self.max_tokens + 1, dtype=np.float64)
         return np.stack([np.stack([_interpolate(xs, row, b, interpolation) for row in ctx]) for ctx in verify])
 
+    def plain_grid(self) -> np.ndarray:
+        """Seconds of a plain round (no drafts) at each context and row count: float64 [C, R]. Measured
+        (``plain_s``) where the profile has it, else the verification cell at ``B = rows`` (which lays the
+        queries on a ``G + 1`` grid and so overestimates a plain round)."""
+        if self.plain_s is not None:
+            return np.asarray(self.plain_s, np.float64)
+        grid = self.verify_grid("linear")
+        return np.stack([[grid[c, r, min(rows, self.max_tokens)] for r, rows in enumerate(self.rows)]
+                         for c in range(grid.shape[0])])
+
+    def plain_step_time(self, num_requests: int, context_tokens: int) -> float:
+        """Seconds of a plain round for ``num_requests`` requests (the NumPy twin of :func:`plain_sps_from_cost`)."""
+        self.check_query(num_requests, context_tokens)
+        r = int(np.searchsorted(np.asarray(self.rows), num_requests, side="left"))
+        wv, _ = self.windows_for(context_tokens)
+        return float(_window_mix(np, np.asarray(self.windows, np.float64), self.plain_grid()[:, r], float(wv)))
+
     def windows_for(self, context_tokens: int) -> tuple[int, int]:
         """``(verification window, draft window)`` of a round whose longest request holds ``context_tokens``."""
         return round_windows(int(context_tokens), self.block, self.context_step, self.window_rule)
@@ -434,18 +470,20 @@ class CostModel:
                           rows=jnp.asarray(self.rows, jnp.int32),
                           verify_s=jnp.asarray(self.verify_grid(interpolation), jnp.float32),
                           draft_s=jnp.asarray(self.draft_s, jnp.float32),
+                          plain_s=jnp.asarray(self.plain_grid(), jnp.float32),
                           block=int(self.block), context_step=int(self.context_step), window_rule=self.window_rule)
 
     # ------------------------------------------------------------------ serialisation
     def to_json(self) -> dict[str, Any]:
-        return {f.name: json.loads(json.dumps(getattr(self, f.name))) for f in dataclasses.fields(self)}
+        return {f.name: json.loads(json.dumps(getattr(self, f.name))) for f in dataclasses.fields(self)
+                if not (f.name in self._OPTIONAL and getattr(self, f.name) is None)}
 
     @classmethod
     def from_json(cls, obj: Any, *, source: str = "cost model") -> "CostModel":
         if not isinstance(obj, dict):
             raise ValueError(f"{source}: expected 'cost_model' to be an object, got {type(obj).__name__}")
         names = [f.name for f in dataclasses.fields(cls)]
-        missing, unknown = set(names) - set(obj), set(obj) - set(names)
+        missing, unknown = set(names) - set(obj) - set(cls._OPTIONAL), set(obj) - set(names)
         if missing or unknown:
             raise ValueError(f"{source}: cost_model fields: missing {sorted(missing)}, unknown {sorted(unknown)}; "
                              f"expected {names}")
@@ -464,6 +502,7 @@ class CostArrays:
       rows: int32 [R] measured row counts (row buckets).
       verify_s: float32 [C, R, N] verification seconds for ``b = 0..N-1`` batch tokens.
       draft_s: float32 [C, R] draft seconds.
+      plain_s: float32 [C, R] seconds of a plain round (no drafts) at each row count.
     """
 
     windows: jax.Array
@@ -471,12 +510,14 @@ class CostArrays:
     rows: jax.Array
     verify_s: jax.Array
     draft_s: jax.Array
+    plain_s: jax.Array
     block: int
     context_step: int
     window_rule: str
 
 
-jax.tree_util.register_dataclass(CostArrays, data_fields=["windows", "draft_windows", "rows", "verify_s", "draft_s"],
+jax.tree_util.register_dataclass(CostArrays, data_fields=["windows", "draft_windows", "rows", "verify_s", "draft_s",
+                                                                "plain_s"],
                                  meta_fields=["block", "context_step", "window_rule"])
 
 
@@ -517,6 +558,16 @@ def sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_tokens: jax
     if envelope:
         t = lax.cummin(t, axis=0, reverse=True)
     return (1.0 / t).astype(jnp.float32)
+
+
+@jax.jit
+def plain_sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_tokens: jax.Array) -> jax.Array:
+    """Plain rounds per second (no drafter, one token per request) for this round's load, inside ``jit``:
+    float32 []. The reference the engine's drafter gate compares a drafting round against."""
+    num = jnp.asarray(num_requests, jnp.int32)
+    r = jnp.clip(jnp.searchsorted(cost.rows, num, side="left"), 0, cost.rows.shape[0] - 1)
+    wv, _ = round_windows(jnp.asarray(context_tokens, jnp.int32), cost.block, cost.context_step, cost.window_rule)
+    return (1.0 / _window_mix(jnp, cost.windows, cost.plain_s[:, r], wv.astype(jnp.float32))).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)

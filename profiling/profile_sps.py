@@ -49,6 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="target weights")
     p.add_argument("--backend", help="insist on a backend (cpu, gpu, tpu); default: JAX's choice")
     p.add_argument("--markdown", action="store_true", help="also print the curves as a Markdown table (README)")
+    p.add_argument("--add-plain", action="store_true",
+                   help="measure only the plain rounds (no drafts) of the table at --out and write it back "
+                        "(for tables profiled before plain rounds were part of the profile)")
     return p.parse_args(argv)
 
 
@@ -113,6 +116,22 @@ def main(argv=None):
         buckets = tuple(sorted({b for b in buckets if b in QUICK_BUCKETS} | {buckets[-1]}))
     if args.reference_context is not None and args.reference_context not in contexts:
         raise ValueError(f"--reference-context {args.reference_context} must be one of --context-lengths {contexts}")
+
+    if args.add_plain:
+        from dspark_jax.sps import load_sps_table
+
+        table = load_sps_table(out)
+        cfg, weights, _ = load_target(args)
+        with jax.default_device(device):
+            table = profiling.add_plain_rounds(table, jax.device_put(weights, device), cfg, repeats=repeats,
+                                               max_seconds=args.max_seconds, progress=True)
+        table.save(out)
+        cm = table.cost_model
+        for c, L in enumerate(cm.context_lengths):
+            print(f"L={L}: plain round ms " + " ".join(f"R={r}:{1e3 * cm.plain_s[c][i]:.1f}"
+                                                     for i, r in enumerate(cm.rows)))
+        print(f"wrote {out}")
+        return table
 
     cfg, weights, name = load_target(args)
     print(f"profiling {name} ({args.dtype}) on {device.platform} ({device.device_kind}): B up to {buckets[-1]}, "

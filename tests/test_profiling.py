@@ -2,6 +2,7 @@
 jitted sps_from_cost against the NumPy sps_for, the profiler's cells and batches, a real quick profile of a
 tiny model on the CPU, and the script's early errors."""
 
+import dataclasses
 import datetime
 import json
 import warnings
@@ -15,6 +16,7 @@ from dspark_jax import profiling, scheduler
 from dspark_jax.models.llama import bucket_for, check_packed, context_bucket, init_cache, LlamaConfig
 from dspark_jax.plots import plot_sps
 from dspark_jax.sps import (CostModel, SPSMetadata, SPSTable, context_window, default_sps_table, load_sps_table,
+                            plain_sps_from_cost,
                             realistic_rows, round_windows, sps_from_cost)
 from profiling import profile_sps
 from tests.helpers import count_compilations
@@ -354,6 +356,10 @@ def test_quick_tiny_profile_gives_a_valid_table(tiny_profile):
     assert cm.block == G and cm.context_lengths == (120, 248) and cm.windows == (128, 256)
     assert list(loaded.batch_tokens) == [8, 16] and cm.batch_tokens == (8, 16)
     assert all(d > 0 for row in cm.draft_s for d in row)
+    assert cm.plain_s is not None and all(p > 0 for row in cm.plain_s for p in row)
+    for R in range(1, cm.rows[-1] + 1):
+        got = float(plain_sps_from_cost(loaded.cost_arrays(), jnp.int32(R), jnp.int32(200)))
+        assert got == pytest.approx(1 / cm.plain_step_time(R, 200), rel=1e-5)
     conf = np.full((cm.rows[-1], G), 0.9, np.float32)
     s = scheduler.schedule_checked(conf, loaded.to_dense())
     assert cm.rows[-1] <= int(s.batch_tokens) <= loaded.max_tokens
@@ -456,3 +462,28 @@ def test_plot_without_cost_model(tmp_path):
     t = SPSTable.from_arrays((1, 8, 32), (10.0, 8.0, 3.0), metadata=SPSMetadata(context_length=64))
     png = plot_sps(t, tmp_path / "p.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plain_rounds_optional_with_fallback_and_round_trip(tmp_path):
+    """Tables profiled before plain rounds were measured load and charge a plain round as the verification
+    cell at B = rows; measured plain rounds take over, survive JSON, and are validated."""
+    cm = synthetic()
+    grid = cm.verify_grid("linear")
+    for c in range(len(cm.context_lengths)):
+        for r, rows in enumerate(cm.rows):
+            assert cm.plain_grid()[c, r] == pytest.approx(grid[c, r, rows])
+    plain = [[0.5e-3 * (1 + r) for r in range(len(cm.rows))] for _ in cm.context_lengths]
+    spread = [[0.0] * len(cm.rows) for _ in cm.context_lengths]
+    measured = dataclasses.replace(cm, plain_s=plain, plain_spread_s=spread)
+    assert measured.plain_step_time(2, 120) == pytest.approx(plain[0][1])
+    t = table_with(measured)
+    t.save(tmp_path / "t.json")
+    assert SPSTable.load(tmp_path / "t.json") == t
+    old = table_with(cm)
+    old.save(tmp_path / "old.json")
+    assert "plain_s" not in json.loads((tmp_path / "old.json").read_text())["cost_model"]
+    assert SPSTable.load(tmp_path / "old.json") == old
+    with pytest.raises(ValueError, match="plain_s"):
+        dataclasses.replace(cm, plain_s=plain, plain_spread_s=None)
+    with pytest.raises(ValueError, match="plain_s"):
+        dataclasses.replace(cm, plain_s=[[0.0] * len(cm.rows) for _ in cm.context_lengths], plain_spread_s=spread)
