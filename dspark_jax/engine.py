@@ -108,7 +108,7 @@ def parse_policy(text: str) -> Policy:
 
 
 GATE_EMA = 0.5  # weight of the newest round in the per-request confidence average the drafter gate reads
-GLOBAL_EMA = 0.1  # weight of the newest round in the engine-wide average (a new request's starting point)
+GLOBAL_EMA = 0.3  # weight of the newest round in the engine-wide average (a new request's starting point)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +123,7 @@ class EngineConfig:
     prior_confidence: float = 0.7
     # The dspark policies' drafter gate: after this many consecutive rounds without drafting, draft once to
     # refresh the confidence estimates it decides on (a decision made from counters alone: lossless).
-    gate_probe_every: int = 8
+    gate_probe_every: int = 32
     # Attention windows over the caches: "step" = multiples of 128 (reads little beyond the context held),
     # "pow2" = powers of two (fewer shapes to compile). SPS cost models record the rule they were profiled with.
     window_rule: str = "step"
@@ -568,7 +568,7 @@ def _policy_lengths(policy: Policy, conf, hist, sps, row_valid, G):
 @functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity", "probe_every"))
 def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, temperature, *,
                         seed: int, capacity: int, R: int, policy: Policy, greedy: bool, context: int,
-                        probe_every: int = 8) -> DraftOut:
+                        probe_every: int = 32) -> DraftOut:
     """Draft a block for the first R rows, compute calibrated confidences, apply the policy.
 
     With a cost model, the ``dspark`` policies first decide whether drafting pays at all this round: the
