@@ -48,7 +48,9 @@ def main(argv=None):
         if domain in seen:
             continue
         seen.add(domain)
-        print(f"### [{domain}] {tok.decode(ids, skip_special=True).strip()[:300]}")
+        text = tok.decode(ids, skip_special=True)
+        text = text.split("user\n", 1)[-1].rsplit("assistant", 1)[0].strip()  # the user turn of the template
+        print(f"### [{domain}] {text[:300]}")
         stream = tok.stream()
         engine.on_token = lambda _, t: (sys.stdout.write(stream.push(t)), sys.stdout.flush())
         start = len(engine.rounds)
