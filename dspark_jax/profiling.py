@@ -328,10 +328,7 @@ def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter
     verify_spread = [[[None] * T for _ in range(R)] for _ in range(C)]
     draft_s = [[0.0] * R for _ in range(C)]
     draft_spread = [[0.0] * R for _ in range(C)]
-    plain_s = [[0.0] * R for _ in range(C)]
-    plain_spread = [[0.0] * R for _ in range(C)]
     jobs = [(c, "draft", r, 0) for c in range(C) for r in rows if drafter is not None]
-    jobs += [(c, "plain", r, bucket_for(r)) for c in range(C) for r in rows]
     jobs += [(c, "verify", r, t) for c in range(C) for r, t in sorted(cells, key=lambda rt: rt[0] * rt[1])]
     timing_kw = dict(repeats=repeats, warmup=warmup, max_seconds=max_seconds)
     bar = tqdm(jobs, disable=not progress, desc="profiling", unit="cell")
@@ -341,15 +338,13 @@ def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter
             tm = time_draft(drafter, weights.embed, rows=r, context=contexts[c], window_rule=window_rule,
                             **timing_kw)
             draft_s[c][r_index[r]], draft_spread[c][r_index[r]] = tm.median, tm.spread
-        elif kind == "plain":
-            tm = time_verify(weights, cfg, rows=r, batch_tokens=t, context=contexts[c], block=block,
-                             window_rule=window_rule, plain=True, **timing_kw)
-            plain_s[c][r_index[r]], plain_spread[c][r_index[r]] = tm.median, tm.spread
         else:
             tm = time_verify(weights, cfg, rows=r, batch_tokens=t, context=contexts[c], block=block,
                              window_rule=window_rule, **timing_kw)
             verify[c][r_index[r]][t_index[t]] = tm.median
             verify_spread[c][r_index[r]][t_index[t]] = tm.spread
+    plain_s, plain_spread = profile_plain_rounds(weights, cfg, context_lengths=contexts, rows=rows, block=block,
+                                                 window_rule=window_rule, progress=progress, **timing_kw)
     return CostModel(block=block, context_step=CONTEXT_STEP, window_rule=window_rule, context_lengths=contexts,
                      windows=[w for w, _ in pairs], draft_windows=[w for _, w in pairs], rows=rows,
                      batch_tokens=batch_tokens, verify_s=verify, verify_spread_s=verify_spread, draft_s=draft_s,
@@ -431,6 +426,23 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
     return SPSTable(sps_points(cost, ref), meta, cost)
 
 
+def profile_plain_rounds(weights: LlamaWeights, cfg: LlamaConfig, *, context_lengths: Sequence[int],
+                         rows: Sequence[int], block: int = DEFAULT_BLOCK, window_rule: str = "pow2",
+                         repeats: int = 5, warmup: int = 1, max_seconds: float | None = None,
+                         progress: bool = False) -> tuple[list[list[float]], list[list[float]]]:
+    """Seconds and spreads of a plain round (no drafts, :func:`time_verify` with ``plain=True``) at every
+    context length and row count: ``[C][R]`` each, the cost model's ``plain_s`` and ``plain_spread_s``."""
+    plain_s = [[0.0] * len(rows) for _ in context_lengths]
+    plain_spread = [[0.0] * len(rows) for _ in context_lengths]
+    jobs = [(c, r) for c in range(len(context_lengths)) for r in range(len(rows))]
+    for c, r in tqdm(jobs, disable=not progress, desc="plain rounds", unit="cell"):
+        tm = time_verify(weights, cfg, rows=rows[r], batch_tokens=bucket_for(rows[r]), context=context_lengths[c],
+                         block=block, window_rule=window_rule, plain=True, repeats=repeats, warmup=warmup,
+                         max_seconds=max_seconds)
+        plain_s[c][r], plain_spread[c][r] = tm.median, tm.spread
+    return plain_s, plain_spread
+
+
 def add_plain_rounds(table: SPSTable, weights: LlamaWeights, cfg: LlamaConfig, *, repeats: int = 5,
                      warmup: int = 1, max_seconds: float | None = None, progress: bool = False) -> SPSTable:
     """``table`` with its cost model's plain rounds (re)measured at every context and row count, on the
@@ -438,16 +450,9 @@ def add_plain_rounds(table: SPSTable, weights: LlamaWeights, cfg: LlamaConfig, *
     cm = table.cost_model
     if cm is None:
         raise ValueError("add_plain_rounds: the table has no cost model to extend")
-    C, R = len(cm.context_lengths), len(cm.rows)
-    plain_s = [[0.0] * R for _ in range(C)]
-    plain_spread = [[0.0] * R for _ in range(C)]
-    jobs = [(c, r) for c in range(C) for r in range(R)]
-    for c, r in tqdm(jobs, disable=not progress, desc="plain rounds", unit="cell"):
-        rows = cm.rows[r]
-        tm = time_verify(weights, cfg, rows=rows, batch_tokens=bucket_for(rows), context=cm.context_lengths[c],
-                         block=cm.block, window_rule=cm.window_rule, plain=True, repeats=repeats, warmup=warmup,
-                         max_seconds=max_seconds)
-        plain_s[c][r], plain_spread[c][r] = tm.median, tm.spread
+    plain_s, plain_spread = profile_plain_rounds(weights, cfg, context_lengths=cm.context_lengths, rows=cm.rows,
+                                                 block=cm.block, window_rule=cm.window_rule, repeats=repeats,
+                                                 warmup=warmup, max_seconds=max_seconds, progress=progress)
     cost = dataclasses.replace(cm, plain_s=plain_s, plain_spread_s=plain_spread)
     meta = dataclasses.replace(table.metadata, extra={**table.metadata.extra,
                                                       "plain_rounds_date": datetime.date.today().isoformat()})

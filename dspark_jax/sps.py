@@ -521,9 +521,9 @@ jax.tree_util.register_dataclass(CostArrays, data_fields=["windows", "draft_wind
                                  meta_fields=["block", "context_step", "window_rule"])
 
 
-@functools.partial(jax.jit, static_argnames=("envelope", "with_draft"))
+@functools.partial(jax.jit, static_argnames=("envelope",))
 def sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_tokens: jax.Array, *,
-                  envelope: bool = False, with_draft: bool = True) -> jax.Array:
+                  envelope: bool = False) -> jax.Array:
     """Dense steps/s table for the scheduler, for this round's load, inside ``jit``.
 
     ``num_requests`` and ``context_tokens`` are arrays, so a new load never compiles again. The rows are
@@ -536,7 +536,6 @@ def sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_tokens: jax
       num_requests: int [] active requests R.
       context_tokens: int [] tokens held by the longest active request L.
       envelope: replace step time by its suffix minimum over ``b`` (non-increasing steps/s).
-      with_draft: include the drafter's cost (False: plain decoding, which runs no drafter).
 
     Returns:
       float32 [N], ``sps[b] = 1 / (draft(R, Wd(L)) + verify(R, b, Wv(L)))``.
@@ -554,7 +553,7 @@ def sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_tokens: jax
     wv, wd = round_windows(jnp.asarray(context_tokens, jnp.int32), cost.block, cost.context_step, cost.window_rule)
     verify = _window_mix(jnp, cost.windows, cost.verify_s[:, r, :], wv.astype(jnp.float32))  # [N]
     draft = _window_mix(jnp, cost.draft_windows, cost.draft_s[:, r], wd.astype(jnp.float32))  # []
-    t = verify + draft if with_draft else verify
+    t = verify + draft
     if envelope:
         t = lax.cummin(t, axis=0, reverse=True)
     return (1.0 / t).astype(jnp.float32)

@@ -88,22 +88,21 @@ def main(argv=None):
         return row
 
     for temp in args.temperatures:
-        best_c, swept = None, {}
+        best_c, sweep = None, []
         if "threshold" in args.policies:
             # A small sweep of C at one concurrency picks the threshold used at every concurrency.
             n0 = args.threshold_sweep_at or args.concurrency[len(args.concurrency) // 2]
             sweep = [measure(f"threshold:{c:g}", n0, temp) for c in args.thresholds]
             for r in sweep:
                 r["threshold_sweep"] = True
-            best_c = max(sweep, key=lambda r: r["tokens_per_s"])["policy"]
-            swept = {r["policy"]: r for r in sweep}
+            best = max(sweep, key=lambda r: r["tokens_per_s"])
+            best_c = best["policy"]
             print(f"  T={temp:g}: best threshold at N={n0}: {best_c}", flush=True)
-            sweep_rows = sweep
         for n in args.concurrency:
             point = []
             for pol in args.policies:
                 if pol == "threshold":
-                    r = swept[best_c] if swept[best_c]["concurrency"] == n else measure(best_c, n, temp)
+                    r = best if best["concurrency"] == n else measure(best_c, n, temp)
                     point.append(dict(r, policy="threshold:best", threshold=best_c, threshold_sweep=False))
                 else:
                     point.append(measure(pol, n, temp))
@@ -116,10 +115,9 @@ def main(argv=None):
                 r["best_fixed"] = best_fixed["policy"] if best_fixed else None
                 r.update(info)
             rows += point
-        if best_c is not None:
-            for r in sweep_rows:
-                r.update(info)
-            rows += sweep_rows
+        for r in sweep:
+            r.update(info)
+        rows += sweep
     wall = time.perf_counter() - t_start
     shown = [r for r in rows if not r.get("threshold_sweep")]
     print()

@@ -27,6 +27,12 @@ def pooled_ece(reports: list[dict], key: str) -> float | None:
     return float(np.sum(np.abs(sp - so)) / np.sum(cnt))
 
 
+def first_position_auroc(report: dict) -> float:
+    """AUROC at block position 1 (after STS when the report has it)."""
+    first = report["per_position"][0]
+    return first.get("auroc_sts", first.get("auroc_raw"))
+
+
 def pool(reports: list[dict]) -> dict:
     n = np.asarray([r["rounds"] for r in reports], np.float64)
     return {
@@ -36,8 +42,7 @@ def pool(reports: list[dict]) -> dict:
         "ece_sts": pooled_ece(reports, "reliability_sts"),
         "auroc": float(np.sum(n * [r["auroc"] for r in reports]) / n.sum()) if all(
             r.get("auroc") is not None for r in reports) else None,
-        "first_position_auroc": float(np.sum(n * [r["per_position"][0].get("auroc_sts", r["per_position"][0].get(
-            "auroc_raw")) for r in reports]) / n.sum()),
+        "first_position_auroc": float(np.sum(n * [first_position_auroc(r) for r in reports]) / n.sum()),
     }
 
 
@@ -71,8 +76,8 @@ def main(argv=None):
         if dom == "pooled":
             rs = {d: pool([reports[d, x] for x in args.domains]) for d in args.drafts}
         else:
-            rs = {d: dict(reports[d, dom], first_position_auroc=reports[d, dom]["per_position"][0].get(
-                "auroc_sts", reports[d, dom]["per_position"][0].get("auroc_raw"))) for d in args.drafts}
+            rs = {d: dict(reports[d, dom], first_position_auroc=first_position_auroc(reports[d, dom]))
+                  for d in args.drafts}
         out[dom] = rs
         cells = [f"**{dom}**" if dom == "pooled" else dom, "/".join(str(rs[d]["rounds"]) for d in args.drafts)]
         cells += [_fmt(rs[d]["accept_len"]) for d in args.drafts]
