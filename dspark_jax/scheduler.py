@@ -412,7 +412,9 @@ def algorithm1_loop(conf, sps, active=None):
         gain, loss = float(a[r, j]) * s_next, tau * (s_prev - s_next)
         if gain + abs(loss) > 0:
             gap = min(gap, abs(gain - loss) / (gain + abs(loss)))
-        if theta > best:
+        # theta - best == gain - loss (best is always tau * s_prev here); comparing the difference keeps a
+        # tiny survival from being absorbed by the sum, as it would be in ``theta > best``.
+        if gain > loss:
             best = theta
             b += 1
             tau += float(a[r, j])

@@ -300,3 +300,18 @@ def test_checked_entry_point_accepts_short_table_when_rows_inactive():
 def test_bad_stop_rule():
     with pytest.raises(ValueError, match="stop"):
         scheduler.schedule_checked(np.ones((1, 1), np.float32), np.ones(3, np.float32), stop="max")
+
+
+def test_gain_below_float_resolution_still_admits():
+    """Found by hypothesis: a survival of 1.4e-31 on a flat table raises Theta by 1.4e-31. Both the jitted
+    scheduler and the plain loop admit it, as exact arithmetic says (the loop once compared the sums, where
+    the gain is absorbed, and stopped)."""
+    conf = np.zeros((4, 7), np.float32)
+    conf[1, 0] = 1.3648326e-31
+    sps = np.ones(6, np.float32)
+    active = np.array([False, True, False, False])
+    got = scheduler.schedule(jnp.asarray(conf), jnp.asarray(sps), active=jnp.asarray(active))
+    np.testing.assert_array_equal(np.asarray(got.lengths), [0, 1, 0, 0])
+    lengths, b, _, _, gap = scheduler.algorithm1_loop(conf, sps, active)
+    np.testing.assert_array_equal(lengths, [0, 1, 0, 0])
+    assert b == 2 and gap >= TIE
