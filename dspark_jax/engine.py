@@ -12,7 +12,10 @@ every round. A round runs as two jitted programs with static shapes:
    target cache and the drafter's context cache, and emit tokens.
 
 Between the two the host reads one scalar, the batch size B, to pick the token bucket T (the shape of the
-second program); everything else stays on the device. The host only admits new requests and collects
+second program); everything else stays on the device. With the ``dspark`` policies the second program also
+decides whether drafting will pay in the next round for the same requests (the drafter gate); when it will
+not and nobody joined, the next round skips the first program and its host read: a plain round of a
+drafting engine costs a plain round plus the drafter's context update. The host only admits new requests and collects
 finished ones. Rows are the active slots moved to the front (a stable argsort of ``~active``) and padded to a
 power of two, so the drafter's cost follows the load, not the slot count.
 
@@ -109,6 +112,7 @@ def parse_policy(text: str) -> Policy:
 
 GATE_EMA = 0.5  # weight of the newest round in the per-request confidence average the drafter gate reads
 GLOBAL_EMA = 0.3  # weight of the newest round in the engine-wide average (a new request's starting point)
+TIME_EMA = 0.1  # weight of the newest round in the measured correction of the cost model's round times
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +128,10 @@ class EngineConfig:
     # The dspark policies' drafter gate: after this many consecutive rounds without drafting, draft once to
     # refresh the confidence estimates it decides on (a decision made from counters alone: lossless).
     gate_probe_every: int = 32
+    # Correct the cost model's drafting and plain round times by the engine's own measurements before the
+    # gate compares them (`Engine.time_scale`). The output stays lossless either way; with it, which rounds
+    # draft depends on timings, so sampled tokens (not their law) can differ between runs of the same seed.
+    calibrate_times: bool = True
     # Attention windows over the caches: "step" = multiples of 128 (reads little beyond the context held),
     # "pow2" = powers of two (fewer shapes to compile). SPS cost models record the rule they were profiled with.
     window_rule: str = "step"
@@ -284,6 +292,11 @@ class Engine:
         self.rounds: list[RoundStats] = []
         self.finished_ids: list[int] = []  # in the order requests finished
         self.record_confidences = False
+        self._gate_probe = (config.gate_probe_every
+                            if self.cost is not None and self.policy.kind in ("dspark", "dspark-async") else 0)
+        self._gate_closed = False  # the last round found that the drafter would not pay next round
+        self._no_conf: dict[int, tuple[jax.Array, jax.Array]] = {}
+        self.reset_time_scale()
         self.on_token: Callable[[int, int], None] | None = None
 
     # ------------------------------------------------------------------------------------------------ state
@@ -383,16 +396,18 @@ class Engine:
         rule = self.cfg.window_rule
         windows = sorted({_window(n + G + 1, cap, rule) for n in longest})
         draft_windows = sorted({_window(n, cap, rule) for n in longest})
+        scale = jnp.ones((2,), jnp.float32)
         R = 1
         while True:
             if drafting:
                 for w in draft_windows:
                     d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed,
-                                            self.head_w, self.temps, self.sps, self.cost, temp, seed=self.cfg.seed,
-                                            capacity=cap, R=R, policy=self.policy, greedy=self.greedy,
-                                            probe_every=self.cfg.gate_probe_every, context=w)
+                                            self.head_w, self.temps, self.sps, self.cost, scale, temp,
+                                            seed=self.cfg.seed, capacity=cap, R=R, policy=self.policy,
+                                            greedy=self.greedy, probe_every=self.cfg.gate_probe_every, context=w)
             else:
                 d = None
+            conf, drafted_arr = self._round_conf(d, R)
             lo = R // 2 + 1
             hi = R * (G + 1) if drafting else R
             plain = {(bucket_for(b), 1) for b in range(lo, R + 1)}  # rounds without drafts: B = n
@@ -400,17 +415,22 @@ class Engine:
             for T, per_slot in sorted(plain | spec):
                 for w in windows:
                     self.state, out = _verify_and_commit(
-                        self.target.weights, self.state, d, self.d_graph if drafting else None,
-                        self.d_state if drafting else None, self.draft_vocab if drafting else None, temp,
-                        jnp.asarray(self.stop_ids), seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G,
-                        window=w, greedy=self.greedy, drafting=drafting, per_slot=per_slot)
+                        self.target.weights, self.state, d if per_slot > 1 else None, conf, drafted_arr,
+                        self.d_graph if drafting else None, self.d_state if drafting else None,
+                        self.draft_vocab if drafting else None, temp, jnp.asarray(self.stop_ids),
+                        seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G, window=w, greedy=self.greedy,
+                        drafting=drafting, per_slot=per_slot)
                     shapes += 1
+            if self.cost is not None:
+                _after_round(self.cost, scale, self.state, jnp.int32(R), jnp.int32(0), jnp.int32(R), drafted_arr, R=R,
+                             probe_every=self._gate_probe)
             if R >= S:
                 break
             R = min(2 * R, S)
         # The drafter gate's state starts afresh (warm-up rounds had no requests).
         self.state = self.state.replace(skipped=jnp.int32(0),
                                         conf_global=jnp.full((G,), self.cfg.prior_confidence, jnp.float32))
+        self._gate_closed = False
         jax.block_until_ready(self.state)
         return shapes
 
@@ -420,33 +440,49 @@ class Engine:
         t0 = time.perf_counter()
         compiles = compile_count()
         finished_before = len(self.finished_ids)
+        was_active = self.slot_request >= 0
         total = self._admit()
-        active_slots = np.flatnonzero(self.slot_request >= 0)
+        active = self.slot_request >= 0
+        active_slots = np.flatnonzero(active)
         n = len(active_slots)
         if n == 0:
             return None
+        t_round = time.perf_counter()
         S, G = self.cfg.num_slots, self.G
         R = _pow2(n, S)
         longest = int(self.slot_length[active_slots].max())
         window = _window(longest + G + 1, self.cfg.capacity, self.cfg.window_rule)
         temp = jnp.float32(self.cfg.temperature)
         drafting = self.drafter is not None
-        if drafting:
+        scale = jnp.asarray(self.time_scale, jnp.float32)
+        # The last round decided this round's gate for the same requests; a new request reopens the question.
+        known_closed = self._gate_closed and not (active & ~was_active).any()
+        if drafting and not known_closed:
             d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed, self.head_w,
-                                    self.temps, self.sps, self.cost, temp, seed=self.cfg.seed, capacity=self.cfg.capacity, R=R,
-                                    policy=self.policy, greedy=self.greedy, probe_every=self.cfg.gate_probe_every,
+                                    self.temps, self.sps, self.cost, scale, temp, seed=self.cfg.seed,
+                                    capacity=self.cfg.capacity, R=R, policy=self.policy, greedy=self.greedy,
+                                    probe_every=self.cfg.gate_probe_every,
                                     context=_window(longest, self.cfg.capacity, self.cfg.window_rule))
             B = int(d.batch_tokens)  # the one value the host needs: it picks the token bucket
         else:
             d, B = None, n
         T = bucket_for(B)
+        conf, drafted_arr = self._round_conf(d, R)
         self.state, out = _verify_and_commit(
-            self.target.weights, self.state, d, self.d_graph if drafting else None,
-            self.d_state if drafting else None, self.draft_vocab if drafting else None, temp,
-            jnp.asarray(self.stop_ids), seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G, window=window,
-            greedy=self.greedy, drafting=drafting, per_slot=G + 1 if B > n else 1)
-        emitted, counts, finished, accepted, new_len = jax.device_get(
-            (out.emitted, out.counts, out.finished, out.accepted, out.new_lengths))
+            self.target.weights, self.state, d if B > n else None, conf, drafted_arr,
+            self.d_graph if drafting else None, self.d_state if drafting else None,
+            self.draft_vocab if drafting else None, temp, jnp.asarray(self.stop_ids),
+            seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G, window=window, greedy=self.greedy,
+            drafting=drafting, per_slot=G + 1 if B > n else 1)
+        after = (jnp.float32(np.nan), jnp.bool_(True))
+        if self.cost is not None:
+            after = _after_round(self.cost, scale, self.state, jnp.int32(n), jnp.int32(longest), jnp.int32(B),
+                                 drafted_arr, R=R, probe_every=self._gate_probe)
+        (emitted, counts, finished, accepted, new_len), (predicted, next_gate) = jax.device_get((out, after))
+        self._gate_closed = not bool(next_gate)
+        drafted = bool(d.drafted) if d is not None else False
+        if compile_count() == compiles:
+            self._observe_round(drafted, time.perf_counter() - t_round, float(predicted))
         lengths = np.asarray(d.lengths)[:n] if d is not None else np.zeros(n, np.int64)
         rows = _rows_host(self.slot_request >= 0)[:n]
         for i, s in enumerate(rows):
@@ -467,9 +503,46 @@ class Engine:
                            emitted=total, batch_tokens=B, padded_tokens=T, seconds=seconds,
                            compiled=compile_count() != compiles, confidences=conf, confidence_logits=conf_logits,
                            finished=len(self.finished_ids) - finished_before,
-                           drafted=bool(d.drafted) if d is not None else False, context=longest)
+                           drafted=drafted, context=longest)
         self.rounds.append(stats)
         return stats
+
+    def _round_conf(self, d: DraftOut | None, R: int):
+        """(confidences [R, G], drafted []) for the verify program: the draft program's, or zeros and False
+        for a round that skipped it; (None, None) for an engine without a drafter."""
+        if self.drafter is None:
+            return None, None
+        if d is not None:
+            return d.conf, d.drafted
+        if R not in self._no_conf:
+            self._no_conf[R] = (jnp.zeros((R, self.G), jnp.float32), jnp.bool_(False))
+        return self._no_conf[R]
+
+    def _observe_round(self, drafted: bool, seconds: float, predicted: float) -> None:
+        """Fold a round's measured time into the correction of the cost model's prediction for its kind
+        (drafting or plain round): a running mean of log(measured / predicted), then an exponential one.
+        What the table got wrong on this machine, at this moment (other processes, the host's share of a
+        round), the gate then sees; the scheduler's choice of lengths is unchanged (a constant factor)."""
+        if not self.cfg.calibrate_times or not np.isfinite(predicted) or predicted <= 0 or seconds <= 0:
+            return
+        k = 0 if drafted else 1
+        self._time_obs[k] += 1
+        w = max(TIME_EMA, 1.0 / (self._time_obs[k] + 1))  # the table counts as one observation
+        x = float(np.clip(np.log(seconds / predicted), -2.0, 2.0))
+        self._log_time_scale[k] = (1 - w) * self._log_time_scale[k] + w * x
+
+    def reset_time_scale(self) -> None:
+        """Forget the measured corrections of the cost model (trust the table again)."""
+        self._log_time_scale = np.zeros(2)
+        self._time_obs = [0, 0]
+
+    @property
+    def time_scale(self) -> tuple[float, float]:
+        """Measured / predicted round time, (drafting rounds, plain rounds); (1, 1) until rounds are seen.
+        Until a drafting round has been measured it takes the plain rounds' factor (what slows one kind of
+        round on a shared machine slows the other)."""
+        d, p = np.exp(self._log_time_scale)
+        return (float(d if self._time_obs[0] else p), float(p))
 
     def idle(self) -> bool:
         return not self.pending and not (self.slot_request >= 0).any()
@@ -565,8 +638,48 @@ def _policy_lengths(policy: Policy, conf, hist, sps, row_valid, G):
     raise ValueError(f"policy {policy} does not draft")
 
 
+@functools.partial(jax.jit, static_argnames=("R", "probe_every"))
+def _after_round(cost, time_scale, state: EngineState, n_active, longest, batch_tokens, drafted, *,
+                 R: int, probe_every: int):
+    """After a round, on the committed state: the cost model's time for the round that just ran (drafting
+    or plain, with ``n_active`` requests whose longest held ``longest`` tokens; the host compares it with the
+    measured time) and the drafter gate of the next round for
+    the requests still active (so the host can skip the draft program). One small program per row bucket,
+    kept out of the verify programs, which compile once per (R, T, window)."""
+    n_active = jnp.maximum(n_active, 1)
+    sps = sps_from_cost(cost, n_active, longest)
+    predicted = jnp.where(drafted, 1.0 / sps[jnp.clip(batch_tokens, 0, sps.shape[0] - 1)],
+                          1.0 / plain_sps_from_cost(cost, n_active, longest)).astype(jnp.float32)
+    gate = jnp.bool_(True)
+    if probe_every > 0:
+        rows2, valid2 = _device_rows(state.active, R)
+        gate = _drafting_pays(cost, state, rows2, valid2, _round_sps(cost, state, rows2, valid2), time_scale,
+                              probe_every)
+    return predicted, gate
+
+
+def _round_sps(cost, state: EngineState, rows, row_valid):
+    """The cost model's steps/s curve [N] for the rows' requests and longest context."""
+    n_active = jnp.sum(row_valid, dtype=jnp.int32)
+    longest = jnp.max(jnp.where(row_valid, state.cache.lengths[rows], 0))
+    return sps_from_cost(cost, jnp.maximum(n_active, 1), longest)
+
+
+def _drafting_pays(cost, state: EngineState, rows, row_valid, sps, time_scale, probe_every: int):
+    """The drafter gate: expected tokens/s of the schedule on each request's average confidences over its
+    earlier drafted rounds (known before this round's drafts exist, so the decision cannot bias them), with
+    the drafter's cost, against plain decoding without it; or a probe after ``probe_every`` skipped rounds.
+    Round times are the cost model's, times the engine's measured corrections ``time_scale`` [2] (drafting
+    round, plain round)."""
+    n_active = jnp.sum(row_valid, dtype=jnp.int32)
+    longest = jnp.max(jnp.where(row_valid, state.cache.lengths[rows], 0))
+    plain = n_active.astype(jnp.float32) * plain_sps_from_cost(cost, jnp.maximum(n_active, 1), longest) / time_scale[1]
+    expected = scheduler.schedule(state.conf_ema[rows], sps, active=row_valid).throughput / time_scale[0]
+    return (expected > plain) | (state.skipped >= probe_every)
+
+
 @functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity", "probe_every"))
-def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, temperature, *,
+def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, time_scale, temperature, *,
                         seed: int, capacity: int, R: int, policy: Policy, greedy: bool, context: int,
                         probe_every: int = 32) -> DraftOut:
     """Draft a block for the first R rows, compute calibrated confidences, apply the policy.
@@ -582,16 +695,11 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     W = head_w.shape[1]
     rows, row_valid = _device_rows(state.active, R)
     ctx_len = state.cache.lengths[rows]
-    n_active = jnp.sum(row_valid, dtype=jnp.int32)
     gate = jnp.bool_(True)
     if cost is not None:  # this round's curve: draft(R, L) + verify(R, B, L) for its requests and context
-        longest = jnp.max(jnp.where(row_valid, ctx_len, 0))
-        sps = sps_from_cost(cost, n_active, longest)
+        sps = _round_sps(cost, state, rows, row_valid)
         if policy.kind in ("dspark", "dspark-async"):
-            plain = n_active.astype(jnp.float32) * plain_sps_from_cost(cost, n_active, longest)
-            expected = scheduler.schedule(state.conf_ema[rows], sps, active=row_valid).throughput
-            gate = expected > plain
-            gate = gate | (state.skipped >= probe_every)
+            gate = _drafting_pays(cost, state, rows, row_valid, sps, time_scale, probe_every)
 
     def run_drafter():
         keys = _key(seed, 1, state.request[rows], ctx_len)
@@ -616,20 +724,28 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
 
 @functools.partial(jax.jit, static_argnames=("cfg", "R", "T", "G", "window", "greedy", "drafting", "seed", "per_slot"),
                    donate_argnames=("state",))
-def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, graph, dstate, draft_vocab, temperature,
-                       stop_ids, *, seed: int, cfg, R: int, T: int, G: int, window: int, greedy: bool,
-                       drafting: bool, per_slot: int) -> tuple[EngineState, RoundOut]:
+def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, drafted, graph, dstate, draft_vocab,
+                       temperature, stop_ids, *, seed: int, cfg, R: int, T: int, G: int, window: int,
+                       greedy: bool, drafting: bool, per_slot: int) -> tuple[EngineState, RoundOut]:
     """Pack the scheduled tokens, verify them with one target pass, accept, commit, emit.
 
-    ``per_slot`` is the most tokens a row verifies: ``G + 1``, or 1 for a round that scheduled no drafts (a
-    plain round then costs what plain decoding costs)."""
+    ``drafting``: the engine has a drafter (its context cache is written for every committed token, drafted
+    round or not); then ``conf`` [R, G] and ``drafted`` [] are the round's calibrated confidences and whether
+    the drafter ran (zeros and False when the host skipped the draft program), else None. ``per_slot`` is
+    the most tokens a row verifies: ``G + 1`` with the drafts ``d``, or 1 with ``d = None`` for a round that
+    scheduled no drafts (a plain round then costs what plain decoding costs; one program per shape).
+    """
     rows, row_valid = _device_rows(state.active, R)
     ctx_len = state.cache.lengths[rows]  # [R] anchor positions
     anchors = state.anchor[rows]
-    if drafting:
+    plain = per_slot == 1  # no row verifies a draft: unpack one position per row
+    if plain != (d is None):
+        raise ValueError("per_slot == 1 exactly when no drafts are passed")
+    Gv = 1 if plain else G
+    if not plain:
         drafts, lengths = d.tokens, d.lengths
     else:
-        drafts, lengths = jnp.zeros((R, G), jnp.int32), jnp.zeros((R,), jnp.int32)
+        drafts, lengths = jnp.zeros((R, Gv), jnp.int32), jnp.zeros((R,), jnp.int32)
     # ---- pack: row r contributes [anchor, x1..x_l] at positions ctx_len[r] + j
     n_tok = jnp.where(row_valid, 1 + lengths, 0)  # [R]
     ends = jnp.cumsum(n_tok)
@@ -638,25 +754,28 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, graph, d
     tok_row = jnp.clip(jnp.searchsorted(ends, t, side="right"), 0, R - 1).astype(jnp.int32)  # [T]
     col = t - starts[tok_row]
     valid = t < ends[-1]
-    seq = jnp.concatenate([anchors[:, None], drafts], axis=1)  # [R, G + 1]
-    tokens = seq[tok_row, jnp.clip(col, 0, G)]
+    seq = jnp.concatenate([anchors[:, None], drafts], axis=1)  # [R, Gv + 1]
+    tokens = seq[tok_row, jnp.clip(col, 0, Gv)]
     slots = rows[tok_row]
     positions = jnp.where(valid, ctx_len[tok_row] + col, 0)
     logits, extras, cache = forward_packed(weights, state.cache, tokens, slots, positions, valid, cfg,
                                            per_slot, rows, window)
-    # ---- unpack to rows: logits of [anchor, x1..x_G] -> [R, G + 1, V]
-    idx = jnp.clip(starts[:, None] + jnp.arange(G + 1)[None, :], 0, T - 1)
+    # ---- unpack to rows: logits of [anchor, x1..x_Gv] -> [R, Gv + 1, V]
+    idx = jnp.clip(starts[:, None] + jnp.arange(Gv + 1)[None, :], 0, T - 1)
     row_logits = logits[idx]
     if greedy:
         n_acc, nxt = verify.greedy_accept(drafts, row_logits, lengths)
     else:
         target_probs = jax.nn.softmax(row_logits / temperature, axis=-1)
         keys = _key(seed, 2, state.request[rows], ctx_len)
-        probs = d.probs if drafting else jnp.zeros((R, G, 1), jnp.float32)
-        vocab = draft_vocab if drafting else jnp.zeros((1,), jnp.int32)
+        if not plain:
+            probs, vocab = d.probs, draft_vocab
+        else:  # no drafts: the next token is drawn from the target alone (the draft tables are never read)
+            probs, vocab = jnp.zeros((R, Gv, 1), jnp.float32), jnp.zeros((1,), jnp.int32)
         n_acc, nxt = verify.speculative_accept(keys, drafts, probs, target_probs, lengths, vocab)
     # ---- emit [x1..x_n, next], cut at the first stop token and at the request's budget
-    emitted = jnp.where(jnp.arange(G + 1)[None, :] < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), 0)
+    drafts_g = jnp.pad(drafts, ((0, 0), (0, G - Gv)))  # [R, G]
+    emitted = jnp.where(jnp.arange(G + 1)[None, :] < n_acc[:, None], jnp.pad(drafts_g, ((0, 0), (0, 1))), 0)
     emitted = emitted.at[jnp.arange(R), n_acc].set(nxt)
     is_stop = jnp.isin(emitted, stop_ids) & (jnp.arange(G + 1)[None, :] <= n_acc[:, None])
     first_stop = jnp.where(is_stop.any(axis=1), jnp.argmax(is_stop, axis=1), G + 1)
@@ -673,18 +792,21 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, graph, d
         dcache = dr.write_context(drafter, dcache, extras.taps, slots, positions, valid)
     write = jnp.where(row_valid, rows, state.anchor.shape[0])  # padding rows write nothing
     hist, ema, skipped, glob = state.conf_hist, state.conf_ema, state.skipped, state.conf_global
-    if drafting:  # a round that skipped the drafter keeps the history it decided on
-        new = hist.at[1].set(hist[0]).at[0, write].set(d.conf, mode="drop")
-        hist = jnp.where(d.drafted, new, hist)
-        avg = ema.at[write].set(GATE_EMA * d.conf + (1 - GATE_EMA) * ema[rows], mode="drop")
-        ema = jnp.where(d.drafted, avg, ema)
-        skipped = jnp.where(d.drafted, 0, skipped + 1).astype(jnp.int32)
-        mean = jnp.sum(jnp.where(row_valid[:, None], d.conf, 0), 0) / jnp.maximum(jnp.sum(row_valid), 1)
-        glob = jnp.where(d.drafted & jnp.any(row_valid), GLOBAL_EMA * mean + (1 - GLOBAL_EMA) * glob, glob)
+    if not drafting:
+        drafted = jnp.bool_(False)
+    else:  # a round that skipped the drafter keeps the history it decided on
+        new = hist.at[1].set(hist[0]).at[0, write].set(conf, mode="drop")
+        hist = jnp.where(drafted, new, hist)
+        avg = ema.at[write].set(GATE_EMA * conf + (1 - GATE_EMA) * ema[rows], mode="drop")
+        ema = jnp.where(drafted, avg, ema)
+        mean = jnp.sum(jnp.where(row_valid[:, None], conf, 0), 0) / jnp.maximum(jnp.sum(row_valid), 1)
+        glob = jnp.where(drafted & jnp.any(row_valid), GLOBAL_EMA * mean + (1 - GLOBAL_EMA) * glob, glob)
+        skipped = jnp.where(drafted, 0, skipped + 1).astype(jnp.int32)
     new_state = state.replace(
         cache=cache, dcache=dcache, conf_hist=hist, conf_ema=ema, skipped=skipped, conf_global=glob,
         anchor=state.anchor.at[write].set(nxt, mode="drop"),
         generated=state.generated.at[write].add(counts, mode="drop"),
         active=state.active.at[write].set(~finished, mode="drop"),
     )
-    return new_state, RoundOut(emitted, counts, finished, n_acc.astype(jnp.int32), new_len.astype(jnp.int32))
+    out = RoundOut(emitted, counts, finished, n_acc.astype(jnp.int32), new_len.astype(jnp.int32))
+    return new_state, out

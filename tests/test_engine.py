@@ -232,7 +232,8 @@ def test_busy_engine_skips_a_drafter_that_does_not_pay(model, drafter):
     ps = prompts(3, seed=4)
     ref, _ = plain_generate(model, ps, 12, 0.0, num_slots=3, stop_ids=[], capacity=64)
     for draft_cost, probe in ((1.0, 1000), (1.0, 2), (0.0, 1000)):
-        e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=probe),
+        e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=probe,
+                                                                  calibrate_times=False),
                        sps=synthetic_cost_table(draft_cost=draft_cost), stop_ids=[])
         assert [c.output_ids for c in e.run(ps, 12)] == [r.output_ids for r in ref]
         drafted = [r.drafted for r in e.rounds]
@@ -242,3 +243,68 @@ def test_busy_engine_skips_a_drafter_that_does_not_pay(model, drafter):
             assert not any(drafted)
         else:
             assert drafted[:6] == [False, False, True, False, False, True], drafted
+
+
+def test_closed_gate_skips_the_draft_program(model, drafter, monkeypatch):
+    """Once a round finds the drafter will not pay for the same requests, the next rounds do not run the draft
+    program at all (no dispatch, no host read) until someone joins; output stays that of plain decoding."""
+    calls = []
+    real = eng._draft_and_schedule
+    monkeypatch.setattr(eng, "_draft_and_schedule", lambda *a, **k: calls.append(k["R"]) or real(*a, **k))
+    ps = prompts(5, seed=6)
+    ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
+    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=3, capacity=64, gate_probe_every=1000,
+                                                              calibrate_times=False),
+                   sps=synthetic_cost_table(draft_cost=1.0), stop_ids=[])
+    assert [c.output_ids for c in e.run(ps, 10)] == [r.output_ids for r in ref]
+    admissions = sum(1 for i, r in enumerate(e.rounds) if i == 0 or r.finished)  # rounds after a slot freed
+    assert 1 <= len(calls) <= admissions < len(e.rounds)
+    assert not any(r.drafted for r in e.rounds)
+
+
+def test_measured_round_times_correct_the_cost_model(model, drafter):
+    """The gate reads the cost model's round times times what the engine measured: a drafter the table
+    charges too much for is used once the engine has seen that drafting rounds are cheaper than predicted."""
+    ps = prompts(3, seed=4)
+    ref, _ = plain_generate(model, ps, 12, 0.0, num_slots=3, stop_ids=[], capacity=64)
+    table = synthetic_cost_table(draft_cost=0.02)
+    base = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000,
+                                                                 calibrate_times=False), sps=table, stop_ids=[])
+    assert [c.output_ids for c in base.run(ps, 12)] == [r.output_ids for r in ref]
+    assert not any(r.drafted for r in base.rounds) and base.time_scale == (1.0, 1.0)
+    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000,
+                                                              calibrate_times=False), sps=table, stop_ids=[])
+    for _ in range(20):  # drafting rounds measured at a fifth of the table's prediction, plain ones as predicted
+        e._observe_round(True, 0.2, 1.0)
+        e._observe_round(False, 1.0, 1.0)
+    assert e.time_scale == (1.0, 1.0)  # calibrate_times=False ignores measurements
+    e.cfg = eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000)
+    for _ in range(40):
+        e._observe_round(True, 0.2, 1.0)
+        e._observe_round(False, 1.0, 1.0)
+    d_scale, p_scale = e.time_scale
+    assert d_scale == pytest.approx(0.2, rel=0.05) and p_scale == pytest.approx(1.0)
+    e.cfg = eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000, calibrate_times=False)  # freeze
+    assert [c.output_ids for c in e.run(ps, 12)] == [r.output_ids for r in ref]
+    assert any(r.drafted for r in e.rounds)
+    e.reset_time_scale()
+    assert e.time_scale == (1.0, 1.0)
+
+
+def test_time_scale_starts_from_the_plain_rounds():
+    """Before any drafting round is measured, drafting rounds take the plain rounds' correction; single
+    outliers are clipped."""
+    class Probe:
+        cfg = eng.EngineConfig()
+        _observe_round = eng.Engine._observe_round
+        reset_time_scale = eng.Engine.reset_time_scale
+        time_scale = eng.Engine.time_scale
+    e = Probe()
+    e.reset_time_scale()
+    e._observe_round(False, 2.0, 1.0)
+    d, p = e.time_scale
+    assert d == p and 1.0 < p < 2.0
+    e._observe_round(True, 1e6, 1.0)  # clipped at e^2 per observation
+    assert e.time_scale[0] <= np.exp(2.0) + 1e-9
+    e._observe_round(False, 1.0, float("nan"))  # no prediction: ignored
+    assert e.time_scale[1] == p
