@@ -129,9 +129,11 @@ class EngineConfig:
     # refresh the confidence estimates it decides on (a decision made from counters alone: lossless).
     gate_probe_every: int = 32
     # Correct the cost model's drafting and plain round times by the engine's own measurements before the
-    # gate compares them (`Engine.time_scale`). The output stays lossless either way; with it, which rounds
-    # draft depends on timings, so sampled tokens (not their law) can differ between runs of the same seed.
-    calibrate_times: bool = True
+    # gate compares them (`Engine.time_scale`). Off by default: on the 2-core CPU shared with another job it
+    # opened the gate more often and lowered throughput (README, Engine). The output stays lossless either
+    # way; with it, which rounds draft depends on timings, so sampled tokens (not their law) can differ
+    # between runs of the same seed.
+    calibrate_times: bool = False
     # Attention windows over the caches: "step" = multiples of 128 (reads little beyond the context held),
     # "pow2" = powers of two (fewer shapes to compile). SPS cost models record the rule they were profiled with.
     window_rule: str = "step"

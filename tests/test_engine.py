@@ -278,7 +278,7 @@ def test_measured_round_times_correct_the_cost_model(model, drafter):
         e._observe_round(True, 0.2, 1.0)
         e._observe_round(False, 1.0, 1.0)
     assert e.time_scale == (1.0, 1.0)  # calibrate_times=False ignores measurements
-    e.cfg = eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000)
+    e.cfg = eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000, calibrate_times=True)
     for _ in range(40):
         e._observe_round(True, 0.2, 1.0)
         e._observe_round(False, 1.0, 1.0)
@@ -295,7 +295,7 @@ def test_time_scale_starts_from_the_plain_rounds():
     """Before any drafting round is measured, drafting rounds take the plain rounds' correction; single
     outliers are clipped."""
     class Probe:
-        cfg = eng.EngineConfig()
+        cfg = eng.EngineConfig(calibrate_times=True)
         _observe_round = eng.Engine._observe_round
         reset_time_scale = eng.Engine.reset_time_scale
         time_scale = eng.Engine.time_scale
