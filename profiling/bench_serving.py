@@ -67,13 +67,13 @@ def main(argv=None):
     G = drafter.cfg.block
     capacity = -(-(args.max_prompt_tokens + args.max_new_tokens + G + 1) // 128) * 128
     info = device_info()
-    rows, quality = [], {}
+    rows, recorded = [], {}
 
     def measure(policy_text, n, temp):
         policy = parse_policy(policy_text)
         cfg = EngineConfig(num_slots=n, capacity=capacity, temperature=temp, seed=args.seed)
         engine = Engine(model, drafter if policy.drafts else None, policy, cfg, sts_temperatures=temps, sps=table)
-        engine.record_confidences = policy.kind == "dspark"
+        engine.record_confidences = policy.drafts
         res = closed_loop(engine, prompts, n, args.max_new_tokens, warmup_rounds=args.warmup_rounds,
                           measure_rounds=args.rounds, repeats=args.repeats)
         row = {"policy": policy_text, "concurrency": n, "temperature": temp, "tokens_per_s": res.tokens_per_s,
@@ -83,8 +83,8 @@ def main(argv=None):
                "repeats": res.repeats, "steady_rounds": res.steady_rounds, "compiled_rounds": res.compiled_rounds}
         print(f"  T={temp:g} N={n:3d} {policy_text:14s} {res.tokens_per_s:8.1f} tok/s (+-{res.tokens_per_s_spread:.1f})"
               f"  accept {res.accept_len:.2f}  drafts/req {res.drafts_per_request:.2f}", flush=True)
-        if policy.kind == "dspark":
-            quality[(n, temp)] = scheduling_quality(res.rounds, table)
+        if policy.drafts:  # every drafted round of every drafting policy at this load is a test case
+            recorded.setdefault((n, temp), []).extend(r for r in res.rounds if r.drafted)
         return row
 
     for temp in args.temperatures:
@@ -126,9 +126,10 @@ def main(argv=None):
     print(format_table(shown, ["temperature", "concurrency", "policy", "tokens_per_s", "tokens_per_s_spread",
                                "tokens_per_s_per_user", "accept_len", "drafts_per_request", "rejected_share",
                                "ratio_vs_none", "ratio_vs_best_fixed"]))
-    q = {f"N={n} T={t:g}": v for (n, t), v in quality.items()}
+    q = {f"N={n} T={t:g}": scheduling_quality(v, table) for (n, t), v in recorded.items()}
     if q:
-        print("\nscheduling quality (expected throughput of first drop / best point of the greedy path):")
+        print("\nscheduling quality (expected throughput of first drop / best point of the greedy path, on the "
+              "confidences of every drafted round at that load, all drafting policies):")
         for k, v in q.items():
             print(f"  {k}: {json.dumps(v)}")
     if args.json:
