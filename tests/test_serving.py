@@ -90,4 +90,8 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
         # Drafts are capped by each request's remaining token budget, never raised.
         assert 0.0 < point["fixed:3"]["drafts_per_request"] <= 3.0
         assert point["fixed:1"]["drafts_per_request"] <= 1.0
+    # Scheduling quality is computed on every drafted round of every drafting policy at each load.
+    assert set(report["scheduling_quality"]) == {"N=1 T=0", "N=2 T=0"}
+    for q in report["scheduling_quality"].values():
+        assert q["rounds"] >= 3 and 0.0 < q["min_ratio"] <= q["mean_ratio"] <= 1.0 + 1e-6
     assert sorted(p.name for p in (tmp_path / "fig").glob("*.png"))
