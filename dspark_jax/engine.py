@@ -128,6 +128,10 @@ class EngineConfig:
     # The dspark policies' drafter gate: after this many consecutive rounds without drafting, draft once to
     # refresh the confidence estimates it decides on (a decision made from counters alone: lossless).
     gate_probe_every: int = 32
+    # ... and at least as many rounds as keep the probes' extra cost (a drafting round that verifies nothing,
+    # against a plain round, from the cost model) under this share of the time: at high load a probe costs
+    # several plain rounds, so it comes less often.
+    gate_probe_budget: float = 0.02
     # Correct the cost model's drafting and plain round times by the engine's own measurements before the
     # gate compares them (`Engine.time_scale`). Off by default: on the 2-core CPU shared with another job it
     # opened the gate more often and lowered throughput (README, Engine). The output stays lossless either
@@ -266,6 +270,9 @@ class Engine:
             raise ValueError(f"window_rule: expected 'step' or 'pow2', got {config.window_rule!r}")
         if config.gate_probe_every < 1:
             raise ValueError(f"gate_probe_every: expected an integer >= 1, got {config.gate_probe_every}")
+        if not config.gate_probe_budget > 0:
+            raise ValueError(f"gate_probe_budget: expected a share > 0 (inf: probe every gate_probe_every "
+                             f"rounds), got {config.gate_probe_budget}")
         self.cost = None
         if self.policy.kind in ("dspark", "dspark-async"):
             if sps is None:
@@ -406,7 +413,8 @@ class Engine:
                     d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed,
                                             self.head_w, self.temps, self.sps, self.cost, scale, temp,
                                             seed=self.cfg.seed, capacity=cap, R=R, policy=self.policy,
-                                            greedy=self.greedy, probe_every=self.cfg.gate_probe_every, context=w)
+                                            greedy=self.greedy, probe_every=self.cfg.gate_probe_every,
+                                            probe_budget=self.cfg.gate_probe_budget, context=w)
             else:
                 d = None
             conf, drafted_arr = self._round_conf(d, R)
@@ -425,7 +433,7 @@ class Engine:
                     shapes += 1
             if self.cost is not None:
                 _after_round(self.cost, scale, self.state, jnp.int32(R), jnp.int32(0), jnp.int32(R), drafted_arr, R=R,
-                             probe_every=self._gate_probe)
+                             probe_every=self._gate_probe, probe_budget=self.cfg.gate_probe_budget)
             if R >= S:
                 break
             R = min(2 * R, S)
@@ -463,7 +471,7 @@ class Engine:
             d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed, self.head_w,
                                     self.temps, self.sps, self.cost, scale, temp, seed=self.cfg.seed,
                                     capacity=self.cfg.capacity, R=R, policy=self.policy, greedy=self.greedy,
-                                    probe_every=self.cfg.gate_probe_every,
+                                    probe_every=self.cfg.gate_probe_every, probe_budget=self.cfg.gate_probe_budget,
                                     context=_window(longest, self.cfg.capacity, self.cfg.window_rule))
             B = int(d.batch_tokens)  # the one value the host needs: it picks the token bucket
         else:
@@ -479,7 +487,8 @@ class Engine:
         after = (jnp.float32(np.nan), jnp.bool_(True))
         if self.cost is not None:
             after = _after_round(self.cost, scale, self.state, jnp.int32(n), jnp.int32(longest), jnp.int32(B),
-                                 drafted_arr, R=R, probe_every=self._gate_probe)
+                                 drafted_arr, R=R, probe_every=self._gate_probe,
+                                 probe_budget=self.cfg.gate_probe_budget)
         (emitted, counts, finished, accepted, new_len), (predicted, next_gate) = jax.device_get((out, after))
         self._gate_closed = not bool(next_gate)
         drafted = bool(d.drafted) if d is not None else False
@@ -640,9 +649,9 @@ def _policy_lengths(policy: Policy, conf, hist, sps, row_valid, G):
     raise ValueError(f"policy {policy} does not draft")
 
 
-@functools.partial(jax.jit, static_argnames=("R", "probe_every"))
+@functools.partial(jax.jit, static_argnames=("R", "probe_every", "probe_budget"))
 def _after_round(cost, time_scale, state: EngineState, n_active, longest, batch_tokens, drafted, *,
-                 R: int, probe_every: int):
+                 R: int, probe_every: int, probe_budget: float):
     """After a round, on the committed state: the cost model's time for the round that just ran (drafting
     or plain, with ``n_active`` requests whose longest held ``longest`` tokens; the host compares it with the
     measured time) and the drafter gate of the next round for
@@ -656,7 +665,7 @@ def _after_round(cost, time_scale, state: EngineState, n_active, longest, batch_
     if probe_every > 0:
         rows2, valid2 = _device_rows(state.active, R)
         gate = _drafting_pays(cost, state, rows2, valid2, _round_sps(cost, state, rows2, valid2), time_scale,
-                              probe_every)
+                              probe_every, probe_budget)
     return predicted, gate
 
 
@@ -667,30 +676,37 @@ def _round_sps(cost, state: EngineState, rows, row_valid):
     return sps_from_cost(cost, jnp.maximum(n_active, 1), longest)
 
 
-def _drafting_pays(cost, state: EngineState, rows, row_valid, sps, time_scale, probe_every: int):
+def _drafting_pays(cost, state: EngineState, rows, row_valid, sps, time_scale, probe_every: int,
+                   probe_budget: float):
     """The drafter gate: expected tokens/s of the schedule on each request's average confidences over its
     earlier drafted rounds (known before this round's drafts exist, so the decision cannot bias them), with
-    the drafter's cost, against plain decoding without it; or a probe after ``probe_every`` skipped rounds.
+    the drafter's cost, against plain decoding without it; or a probe after ``probe_every`` skipped rounds,
+    and at least as many as keep a probe's extra cost below ``probe_budget`` of the time.
     Round times are the cost model's, times the engine's measured corrections ``time_scale`` [2] (drafting
     round, plain round)."""
     n_active = jnp.sum(row_valid, dtype=jnp.int32)
     longest = jnp.max(jnp.where(row_valid, state.cache.lengths[rows], 0))
-    plain = n_active.astype(jnp.float32) * plain_sps_from_cost(cost, jnp.maximum(n_active, 1), longest) / time_scale[1]
+    plain_round = time_scale[1] / plain_sps_from_cost(cost, jnp.maximum(n_active, 1), longest)  # seconds
+    plain = n_active.astype(jnp.float32) / plain_round
     expected = scheduler.schedule(state.conf_ema[rows], sps, active=row_valid).throughput / time_scale[0]
-    return (expected > plain) | (state.skipped >= probe_every)
+    probe_round = time_scale[0] / sps[jnp.clip(n_active, 0, sps.shape[0] - 1)]  # drafts, verifies none
+    wait = jnp.ceil((probe_round - plain_round) / (probe_budget * plain_round))
+    return (expected > plain) | (state.skipped >= jnp.maximum(probe_every, wait))
 
 
-@functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity", "probe_every"))
+@functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity", "probe_every",
+                                             "probe_budget"))
 def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, time_scale, temperature, *,
                         seed: int, capacity: int, R: int, policy: Policy, greedy: bool, context: int,
-                        probe_every: int = 32) -> DraftOut:
+                        probe_every: int = 32, probe_budget: float = 0.02) -> DraftOut:
     """Draft a block for the first R rows, compute calibrated confidences, apply the policy.
 
     With a cost model, the ``dspark`` policies first decide whether drafting pays at all this round: the
     expected throughput of the schedule on each request's average confidences over its earlier drafted rounds
     (known before this round's drafts exist, so the decision cannot bias them) with the drafter's cost,
     against plain decoding without it. A busy engine whose drafts would not pay for the drafter skips it (a
-    `lax.cond`); after ``probe_every`` skipped rounds in a row it drafts once to refresh the averages.
+    `lax.cond`); after ``probe_every`` skipped rounds in a row (more where a probe is expensive, see
+    ``EngineConfig.gate_probe_budget``) it drafts once to refresh the averages.
     """
     drafter = nnx.merge(graph, dstate)
     G = drafter.cfg.block
@@ -701,7 +717,7 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     if cost is not None:  # this round's curve: draft(R, L) + verify(R, B, L) for its requests and context
         sps = _round_sps(cost, state, rows, row_valid)
         if policy.kind in ("dspark", "dspark-async"):
-            gate = _drafting_pays(cost, state, rows, row_valid, sps, time_scale, probe_every)
+            gate = _drafting_pays(cost, state, rows, row_valid, sps, time_scale, probe_every, probe_budget)
 
     def run_drafter():
         keys = _key(seed, 1, state.request[rows], ctx_len)

@@ -233,7 +233,7 @@ def test_busy_engine_skips_a_drafter_that_does_not_pay(model, drafter):
     ref, _ = plain_generate(model, ps, 12, 0.0, num_slots=3, stop_ids=[], capacity=64)
     for draft_cost, probe in ((1.0, 1000), (1.0, 2), (0.0, 1000)):
         e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=probe,
-                                                                  calibrate_times=False),
+                                                                  gate_probe_budget=float("inf"), calibrate_times=False),
                        sps=synthetic_cost_table(draft_cost=draft_cost), stop_ids=[])
         assert [c.output_ids for c in e.run(ps, 12)] == [r.output_ids for r in ref]
         drafted = [r.drafted for r in e.rounds]
@@ -308,3 +308,22 @@ def test_time_scale_starts_from_the_plain_rounds():
     assert e.time_scale[0] <= np.exp(2.0) + 1e-9
     e._observe_round(False, 1.0, float("nan"))  # no prediction: ignored
     assert e.time_scale[1] == p
+
+
+def test_expensive_probes_come_less_often(model, drafter):
+    """Probes are spaced so that their extra cost stays under gate_probe_budget of the time: with a drafter
+    that costs far more than a plain round the engine waits longer than gate_probe_every between probes."""
+    ps = prompts(3, seed=4)
+    ref, _ = plain_generate(model, ps, 30, 0.0, num_slots=3, stop_ids=[], capacity=64)
+    table = synthetic_cost_table(draft_cost=0.05)  # a probe round costs several plain rounds here
+    gaps = {}
+    for budget in (float("inf"), 2.0):
+        e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=2,
+                                                                  gate_probe_budget=budget), sps=table, stop_ids=[])
+        assert [c.output_ids for c in e.run(ps, 30)] == [r.output_ids for r in ref]
+        drafted = [i for i, r in enumerate(e.rounds) if r.drafted]
+        assert len(drafted) >= 2
+        gaps[budget] = min(np.diff(drafted))
+    assert gaps[float("inf")] == 3 and gaps[2.0] > 3
+    with pytest.raises(ValueError, match="gate_probe_budget"):
+        eng.Engine(model, drafter, "dspark", eng.EngineConfig(gate_probe_budget=0.0), sps=table)
