@@ -301,8 +301,7 @@ class Engine:
         self.rounds: list[RoundStats] = []
         self.finished_ids: list[int] = []  # in the order requests finished
         self.record_confidences = False
-        self._gate_probe = (config.gate_probe_every
-                            if self.cost is not None and self.policy.kind in ("dspark", "dspark-async") else 0)
+        self._gate_probe = config.gate_probe_every if self.cost is not None else 0  # cost: dspark policies only
         self._gate_closed = False  # the last round found that the drafter would not pay next round
         self._no_conf: dict[int, tuple[jax.Array, jax.Array]] = {}
         self.reset_time_scale()
@@ -464,7 +463,7 @@ class Engine:
         window = _window(longest + G + 1, self.cfg.capacity, self.cfg.window_rule)
         temp = jnp.float32(self.cfg.temperature)
         drafting = self.drafter is not None
-        scale = jnp.asarray(self.time_scale, jnp.float32)
+        scale = self._time_scale_dev
         # The last round decided this round's gate for the same requests; a new request reopens the question.
         known_closed = self._gate_closed and not (active & ~was_active).any()
         if drafting and not known_closed:
@@ -495,7 +494,7 @@ class Engine:
         if compile_count() == compiles:
             self._observe_round(drafted, time.perf_counter() - t_round, float(predicted))
         lengths = np.asarray(d.lengths)[:n] if d is not None else np.zeros(n, np.int64)
-        rows = _rows_host(self.slot_request >= 0)[:n]
+        rows = _rows_host(active)[:n]
         for i, s in enumerate(rows):
             rid = int(self.slot_request[s])
             self._emit(rid, emitted[i, : counts[i]])
@@ -541,11 +540,13 @@ class Engine:
         w = max(TIME_EMA, 1.0 / (self._time_obs[k] + 1))  # the table counts as one observation
         x = float(np.clip(np.log(seconds / predicted), -2.0, 2.0))
         self._log_time_scale[k] = (1 - w) * self._log_time_scale[k] + w * x
+        self._time_scale_dev = jnp.asarray(self.time_scale, jnp.float32)
 
     def reset_time_scale(self) -> None:
         """Forget the measured corrections of the cost model (trust the table again)."""
         self._log_time_scale = np.zeros(2)
         self._time_obs = [0, 0]
+        self._time_scale_dev = jnp.ones((2,), jnp.float32)  # what the programs read
 
     @property
     def time_scale(self) -> tuple[float, float]:
@@ -663,35 +664,27 @@ def _after_round(cost, time_scale, state: EngineState, n_active, longest, batch_
                           1.0 / plain_sps_from_cost(cost, n_active, longest)).astype(jnp.float32)
     gate = jnp.bool_(True)
     if probe_every > 0:
-        rows2, valid2 = _device_rows(state.active, R)
-        gate = _drafting_pays(cost, state, rows2, valid2, _round_sps(cost, state, rows2, valid2), time_scale,
-                              probe_every, probe_budget)
+        gate, _ = _drafting_pays(cost, state, *_device_rows(state.active, R), time_scale, probe_every, probe_budget)
     return predicted, gate
 
 
-def _round_sps(cost, state: EngineState, rows, row_valid):
-    """The cost model's steps/s curve [N] for the rows' requests and longest context."""
-    n_active = jnp.sum(row_valid, dtype=jnp.int32)
-    longest = jnp.max(jnp.where(row_valid, state.cache.lengths[rows], 0))
-    return sps_from_cost(cost, jnp.maximum(n_active, 1), longest)
-
-
-def _drafting_pays(cost, state: EngineState, rows, row_valid, sps, time_scale, probe_every: int,
-                   probe_budget: float):
+def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_every: int, probe_budget: float):
     """The drafter gate: expected tokens/s of the schedule on each request's average confidences over its
     earlier drafted rounds (known before this round's drafts exist, so the decision cannot bias them), with
     the drafter's cost, against plain decoding without it; or a probe after ``probe_every`` skipped rounds,
     and at least as many as keep a probe's extra cost below ``probe_budget`` of the time.
     Round times are the cost model's, times the engine's measured corrections ``time_scale`` [2] (drafting
-    round, plain round)."""
+    round, plain round). Returns the decision and the cost model's steps/s curve [N] for the rows' requests
+    and longest context (what the schedule reads)."""
     n_active = jnp.sum(row_valid, dtype=jnp.int32)
     longest = jnp.max(jnp.where(row_valid, state.cache.lengths[rows], 0))
+    sps = sps_from_cost(cost, jnp.maximum(n_active, 1), longest)
     plain_round = time_scale[1] / plain_sps_from_cost(cost, jnp.maximum(n_active, 1), longest)  # seconds
     plain = n_active.astype(jnp.float32) / plain_round
     expected = scheduler.schedule(state.conf_ema[rows], sps, active=row_valid).throughput / time_scale[0]
     probe_round = time_scale[0] / sps[jnp.clip(n_active, 0, sps.shape[0] - 1)]  # drafts, verifies none
     wait = jnp.ceil((probe_round - plain_round) / (probe_budget * plain_round))
-    return (expected > plain) | (state.skipped >= jnp.maximum(probe_every, wait))
+    return (expected > plain) | (state.skipped >= jnp.maximum(probe_every, wait)), sps
 
 
 @functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity", "probe_every",
@@ -714,10 +707,8 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     rows, row_valid = _device_rows(state.active, R)
     ctx_len = state.cache.lengths[rows]
     gate = jnp.bool_(True)
-    if cost is not None:  # this round's curve: draft(R, L) + verify(R, B, L) for its requests and context
-        sps = _round_sps(cost, state, rows, row_valid)
-        if policy.kind in ("dspark", "dspark-async"):
-            gate = _drafting_pays(cost, state, rows, row_valid, sps, time_scale, probe_every, probe_budget)
+    if cost is not None:  # (dspark policies) this round's curve: draft(R, L) + verify(R, B, L), and the gate
+        gate, sps = _drafting_pays(cost, state, rows, row_valid, time_scale, probe_every, probe_budget)
 
     def run_drafter():
         keys = _key(seed, 1, state.request[rows], ctx_len)
