@@ -27,6 +27,7 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--min-window-tokens", type=int, default=32, help="a window also runs until this many tokens")
     p.add_argument("--skip-table", action="store_true")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -72,7 +73,8 @@ def main(argv=None):
             policy = parse_policy(pol)
             eng = Engine(model, drafter if policy.drafts else None, policy,
                          EngineConfig(num_slots=n, capacity=capacity), sts_temperatures=temps, sps=sps)
-            res = closed_loop(eng, ids_only, n, args.max_new_tokens, warmup_rounds=4, measure_rounds=args.rounds)
+            res = closed_loop(eng, ids_only, n, args.max_new_tokens, warmup_rounds=4, measure_rounds=args.rounds,
+                              min_window_tokens=args.min_window_tokens)
             point.append({"concurrency": n, "policy": pol, "tokens_per_s": res.tokens_per_s,
                           "accept_len": res.accept_len, "drafts_per_request": res.drafts_per_request})
             print(f"  N={n:3d} {pol:8s} {res.tokens_per_s:7.1f} tokens/s", flush=True)

@@ -73,10 +73,13 @@ class LoadResult:
 
 
 def closed_loop(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int, max_new_tokens: int, *,
-                warmup_rounds: int, measure_rounds: int, repeats: int = 1) -> LoadResult:
-    """Run ``concurrency`` users against ``engine``; measure ``repeats`` windows of ``measure_rounds``.
+                warmup_rounds: int, measure_rounds: int, repeats: int = 1, min_window_tokens: int = 0) -> LoadResult:
+    """Run ``concurrency`` users against ``engine``; measure ``repeats`` windows of at least ``measure_rounds``
+    rounds and at least ``min_window_tokens`` emitted tokens each.
 
-    Rounds in which something compiled are excluded from the throughput (their time is compile time).
+    The token floor keeps low-concurrency windows from timing a few dozen tokens of one answer: at one user a
+    window of 12 rounds would be 12 to 20 tokens. Rounds in which something compiled are excluded from the
+    throughput (their time is compile time).
     """
     if concurrency > engine.cfg.num_slots:
         raise ValueError(f"concurrency {concurrency} exceeds the engine's {engine.cfg.num_slots} slots")
@@ -89,17 +92,18 @@ def closed_loop(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: i
             engine.submit(prompts[next(feed)], max_new_tokens)
             submitted += 1
 
-    def run(n):
-        out = []
-        while len(out) < n:
+    def run(n, min_tokens=0):
+        out, tokens = [], 0
+        while len(out) < n or tokens < min_tokens:
             top_up()
             stats = engine.step()
             if stats is not None:
                 out.append(stats)
+                tokens += stats.emitted
         return out
 
     run(warmup_rounds)
-    windows = [run(measure_rounds) for _ in range(repeats)]
+    windows = [run(measure_rounds, min_window_tokens) for _ in range(repeats)]
     rates = []
     for w in windows:
         steady = [r for r in w if not r.compiled]

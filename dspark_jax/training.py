@@ -20,7 +20,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -217,7 +217,43 @@ def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None,
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Shipping format: config.json + weights.npz (float16) in one folder, written atomically.
+# Shipping format: config.json + weights.npz in one folder, written atomically. Floats are stored as float16;
+# with ``quantize="int8"`` every weight matrix of at least ``_INT8_MIN_SIZE`` entries is stored as int8 with one
+# float32 scale per output channel (per row for embedding tables) under ``NAME@scale``, halving the file.
+# Verification stays exact whatever the drafter's weights are; only its acceptance can change (measured in
+# the README).
+
+_INT8_MIN_SIZE = 4096
+SCALE_SUFFIX = "@scale"
+
+
+def quantize_int8(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 quantization of ``w`` with one scale per slice along ``axis`` (reduced over it).
+
+    Returns ``(q, scale)`` with ``q * scale`` approximating ``w`` to within ``scale / 2`` per entry;
+    ``scale`` keeps the reduced axis with size 1 so it broadcasts back.
+    """
+    w = np.asarray(w, np.float32)
+    amax = np.max(np.abs(w), axis=axis, keepdims=True)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def _pack_weights(flat: dict[str, np.ndarray], dtype, quantize: str | None) -> dict[str, np.ndarray]:
+    if quantize not in (None, "int8"):
+        raise ValueError(f"quantize={quantize!r}: expected None or 'int8'")
+    out = {}
+    for k, v in flat.items():
+        if not np.issubdtype(v.dtype, np.floating):
+            out[k] = v
+        elif quantize == "int8" and v.ndim == 2 and v.size >= _INT8_MIN_SIZE:
+            # Kernels are [in, out]: one scale per output column. Embedding tables are [rows, dim]: per row.
+            q, scale = quantize_int8(v, axis=1 if k.endswith("embedding") else 0)
+            out[k], out[k + SCALE_SUFFIX] = q, scale
+        else:
+            out[k] = v.astype(dtype)
+    return out
 
 
 def _flat_state(drafter: Drafter) -> dict[str, np.ndarray]:
@@ -229,8 +265,11 @@ def _flat_state(drafter: Drafter) -> dict[str, np.ndarray]:
 
 
 def save_drafter(drafter: Drafter, path: str | os.PathLike, *, extra: dict[str, Any] | None = None,
-                 dtype=np.float16) -> Path:
-    """Write ``config.json`` and ``weights.npz`` (floats as ``dtype``) to a folder, atomically."""
+                 dtype=np.float16, quantize: str | None = None,
+                 attach: Sequence[str | os.PathLike] = ()) -> Path:
+    """Write ``config.json`` and ``weights.npz`` (floats as ``dtype``, weight matrices as int8 with
+    ``quantize="int8"``) to a folder, atomically, with copies of the ``attach`` files (STS temperatures,
+    plots) under their own names."""
     import shutil
     import tempfile
 
@@ -239,11 +278,14 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, *, extra: dict[str, 
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     os.chmod(tmp, 0o755)
     try:
-        flat = {k: (v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v)
-                for k, v in _flat_state(drafter).items()}
+        flat = _pack_weights(_flat_state(drafter), dtype, quantize)
         np.savez(tmp / "weights.npz", **flat)
         meta = {"config": drafter.cfg.to_dict(), **(extra or {})}
         (tmp / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
+        for f in map(Path, attach):
+            if f.name in ("config.json", "weights.npz"):
+                raise ValueError(f"attach: {f} would overwrite the drafter's own {f.name}")
+            shutil.copyfile(f, tmp / f.name)
         old = None
         if path.exists():
             old = path.with_name(path.name + ".old")
@@ -260,7 +302,9 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, *, extra: dict[str, 
 
 
 def load_drafter(path: str | os.PathLike) -> tuple[Drafter, dict[str, Any]]:
-    """Load a drafter folder written by `save_drafter` (weights as float32). Returns (drafter, metadata)."""
+    """Load a drafter folder written by `save_drafter` (weights as float32, int8 matrices dequantized).
+
+    Returns (drafter, metadata)."""
     path = Path(path)
     cfg_path, w_path = path / "config.json", path / "weights.npz"
     if not cfg_path.is_file() or not w_path.is_file():
@@ -276,7 +320,12 @@ def load_drafter(path: str | os.PathLike) -> tuple[Drafter, dict[str, Any]]:
     if missing:
         raise ValueError(f"drafter {path}: weights.npz lacks {missing[:5]} (config and weights disagree)")
     for p, var in flat.items():
-        arr = weights["/".join(map(str, p))]
+        key = "/".join(map(str, p))
+        arr = weights[key]
+        if key + SCALE_SUFFIX in weights:
+            arr = arr.astype(np.float32) * weights[key + SCALE_SUFFIX]
+        elif arr.dtype == np.int8 and np.issubdtype(var[...].dtype, np.floating):
+            raise ValueError(f"drafter {path}: {key} is stored as int8 without its {key}{SCALE_SUFFIX} entry")
         want = var[...]
         if arr.shape != want.shape:
             raise ValueError(f"drafter {path}: {'/'.join(map(str, p))} has shape {arr.shape}, expected {want.shape}")

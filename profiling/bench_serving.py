@@ -48,6 +48,8 @@ def main(argv=None):
     p.add_argument("--warmup-rounds", type=int, default=6)
     p.add_argument("--rounds", type=int, default=24, help="rounds per measurement window")
     p.add_argument("--repeats", type=int, default=3, help="measurement windows per point")
+    p.add_argument("--min-window-tokens", type=int, default=96,
+                   help="a window also runs until this many tokens were emitted (low concurrency)")
     p.add_argument("--draft", default="dspark")
     p.add_argument("--sps", help="SPS table JSON (default: the shipped CPU table)")
     p.add_argument("--prompts", help="folder of JSONL prompts (default: ../shared/data/prompts/dev or shipped)")
@@ -57,6 +59,7 @@ def main(argv=None):
         args.concurrency, args.temperatures = [1, 16], [0.0]
         args.policies = ["none", "fixed:3", "dspark"]
         args.max_new_tokens, args.warmup_rounds, args.rounds, args.repeats = 48, 3, 6, 2
+        args.min_window_tokens = 12
 
     t_start = time.perf_counter()
     model = LlamaModel.from_gguf()
@@ -75,7 +78,7 @@ def main(argv=None):
         engine = Engine(model, drafter if policy.drafts else None, policy, cfg, sts_temperatures=temps, sps=table)
         engine.record_confidences = policy.drafts
         res = closed_loop(engine, prompts, n, args.max_new_tokens, warmup_rounds=args.warmup_rounds,
-                          measure_rounds=args.rounds, repeats=args.repeats)
+                          measure_rounds=args.rounds, repeats=args.repeats, min_window_tokens=args.min_window_tokens)
         row = {"policy": policy_text, "concurrency": n, "temperature": temp, "tokens_per_s": res.tokens_per_s,
                "tokens_per_s_spread": res.tokens_per_s_spread, "tokens_per_s_per_user": res.tokens_per_s / n,
                "accept_len": res.accept_len, "drafts_per_request": res.drafts_per_request,

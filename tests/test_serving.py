@@ -65,7 +65,7 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
         "--draft", str(tmp_path / "drafter"), "--concurrency", "1", "2", "--temperatures", "0",
         "--policies", "none", "fixed:1", "fixed:3", "threshold", "dspark", "--thresholds", "0.2", "0.9",
         "--threshold-sweep-at", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "96",
-        "--warmup-rounds", "1", "--rounds", "3", "--repeats", "1", "--json", str(out), "--plots", str(tmp_path / "fig"),
+        "--warmup-rounds", "1", "--rounds", "3", "--min-window-tokens", "8", "--repeats", "1", "--json", str(out), "--plots", str(tmp_path / "fig"),
     ])
     report = json.loads(out.read_text())
     rows = [r for r in report["rows"] if not r.get("threshold_sweep")]
@@ -87,6 +87,8 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
         assert point["dspark"]["ratio_vs_best_fixed"] == pytest.approx(point["dspark"]["tokens_per_s"] / best_fixed)
         assert point["threshold:best"]["threshold"] == best_c
         assert point["none"]["drafts_per_request"] == 0 and point["none"]["accept_len"] == pytest.approx(1.0)
+        if n == 1:  # the window runs past its 3 rounds until 8 tokens came out (at most 2 per round here)
+            assert point["none"]["steady_rounds"] + point["none"]["compiled_rounds"] >= 4
         # Drafts are capped by each request's remaining token budget, never raised.
         assert 0.0 < point["fixed:3"]["drafts_per_request"] <= 3.0
         assert point["fixed:1"]["drafts_per_request"] <= 1.0

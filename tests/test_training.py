@@ -154,6 +154,49 @@ def test_save_and_load_drafter(tmp_path):
         training.load_drafter(tmp_path / "nothing")
 
 
+def test_quantize_int8_error_is_within_half_a_step():
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(37, 11)).astype(np.float32) * rng.uniform(0.01, 10, size=(1, 11))
+    w[:, 3] = 0.0  # an all-zero channel must not divide by zero
+    for axis in (0, 1):
+        q, scale = training.quantize_int8(w, axis=axis)
+        assert q.dtype == np.int8 and scale.shape[axis] == 1
+        assert np.all(np.abs(q.astype(np.float32) * scale - w) <= scale / 2 + 1e-7)
+        assert np.max(np.abs(q)) == 127  # the range is used
+
+
+def test_int8_drafter_round_trip_and_attach(tmp_path, monkeypatch):
+    monkeypatch.setattr(training, "_INT8_MIN_SIZE", 16)  # the tiny drafter's matrices are small
+    vocab = np.arange(40)
+    d = tiny_drafter(vocab_ids=vocab, seed=3)
+    side = tmp_path / "sts.json"
+    side.write_text('{"temperatures": [1.0]}')
+    training.save_drafter(d, tmp_path / "q", quantize="int8", attach=[side])
+    stored = np.load(tmp_path / "q" / "weights.npz")
+    quantized = [k for k in stored.files if stored[k].dtype == np.int8]
+    assert "w1/embedding" in quantized and "w2/kernel" in quantized
+    assert stored["w1/embedding@scale"].shape == (stored["w1/embedding"].shape[0], 1)  # per row
+    assert stored["w2/kernel@scale"].shape == (1, stored["w2/kernel"].shape[1])  # per output column
+    assert (tmp_path / "q" / "sts.json").read_text() == side.read_text()
+    back, _ = training.load_drafter(tmp_path / "q")
+    restored = dict(nnx.to_flat_state(nnx.state(back, nnx.Param)))
+    for path, var in nnx.to_flat_state(nnx.state(d, nnx.Param)):
+        key = "/".join(map(str, path))
+        a, b = np.asarray(var[...]), np.asarray(restored[path][...])
+        tol = np.max(np.abs(a)) / 254 + 1e-7 if key in quantized else 1e-3 * np.max(np.abs(a)) + 1e-6
+        np.testing.assert_allclose(b, a, rtol=0, atol=tol, err_msg=key)
+    # A scale lost from the file is an error, not silently wrong weights.
+    weights = dict(stored)
+    del weights["w2/kernel@scale"]
+    np.savez(tmp_path / "q" / "weights.npz", **weights)
+    with pytest.raises(ValueError, match="w2/kernel is stored as int8"):
+        training.load_drafter(tmp_path / "q")
+    with pytest.raises(ValueError, match="would overwrite"):
+        training.save_drafter(d, tmp_path / "r", attach=[tmp_path / "q" / "config.json"])
+    with pytest.raises(ValueError, match="quantize='int4'"):
+        training.save_drafter(d, tmp_path / "r", quantize="int4")
+
+
 def test_target_cache_build_is_incremental_and_consistent(tmp_path):
     from dspark_jax.models.llama import LlamaModel, logits_from_hidden
 
@@ -182,3 +225,20 @@ def test_target_cache_build_is_incremental_and_consistent(tmp_path):
     want_lse = np.asarray(jax.nn.logsumexp(logits_from_hidden(w, jnp.asarray(final)), axis=-1))
     np.testing.assert_allclose(cache.lse[off : off + 12], want_lse, rtol=1e-5)
     np.testing.assert_allclose(final @ np.asarray(w.embed).T, logits, rtol=0.02, atol=0.05)  # float16 storage
+
+
+def test_pack_drafter_carries_side_files_and_halves_storage(tmp_path, monkeypatch):
+    from train import pack_drafter
+
+    monkeypatch.setattr(training, "_INT8_MIN_SIZE", 16)
+    src = tmp_path / "run" / "export"
+    training.save_drafter(tiny_drafter(vocab_ids=np.arange(40), seed=5), src, extra={"training": {"steps": 3}})
+    (src / "sts.json").write_text('{"temperatures": [1.0, 2.0]}')
+    (tmp_path / "run" / "training.png").write_bytes(b"png")
+    out = pack_drafter.pack(src, tmp_path / "ship", int8=True)
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "sts.json", "training.png", "weights.npz"]
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["training"] == {"steps": 3} and meta["storage"].startswith("int8")
+    assert (out / "weights.npz").stat().st_size < (src / "weights.npz").stat().st_size
+    with pytest.raises(SystemExit, match="--out must differ"):
+        pack_drafter.main(["--draft", str(src), "--out", str(src)])

@@ -1,0 +1,48 @@
+"""Pack a trained drafter folder for shipping: weights re-saved (int8 matrices with ``--int8``), its STS
+temperatures, calibration report and plots copied beside them, all written atomically.
+
+    python -m train.pack_drafter --draft runs/dspark/export --out dspark_jax/assets/drafters/dspark --int8
+
+The training plot is taken from the run folder (``training.png`` next to ``export/``) when present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dspark_jax import training
+
+SIDE_FILES = ("sts.json", "calibration.json", "reliability.png")
+
+
+def pack(src: str | Path, out: str | Path, *, int8: bool = False) -> Path:
+    src = Path(src)
+    drafter, meta = training.load_drafter(src)
+    attach = [src / f for f in SIDE_FILES if (src / f).is_file()]
+    plot = src.parent / "training.png"
+    if (src / "training.png").is_file():
+        attach.append(src / "training.png")
+    elif plot.is_file():
+        attach.append(plot)
+    extra = {k: v for k, v in meta.items() if k != "config"}
+    extra["storage"] = "int8 matrices, per-channel float32 scales" if int8 else "float16"
+    return training.save_drafter(drafter, out, extra=extra, quantize="int8" if int8 else None, attach=attach)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--draft", required=True, help="drafter folder (config.json + weights.npz)")
+    p.add_argument("--out", required=True, help="folder to write (replaced atomically)")
+    p.add_argument("--int8", action="store_true", help="store weight matrices as int8 (about half the size)")
+    args = p.parse_args(argv)
+    if Path(args.out).resolve() == Path(args.draft).resolve():
+        raise SystemExit("--out must differ from --draft (the source is read while the copy is written)")
+    out = pack(args.draft, args.out, int8=args.int8)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(json.dumps({"out": str(out), "files": sorted(f.name for f in out.iterdir()), "bytes": size}))
+
+
+if __name__ == "__main__":
+    main()
