@@ -38,6 +38,13 @@ def test_shipped_pair_differs_only_in_the_heads(target):
     assert np.all(np.isfinite(ds_temps)) and np.all(ds_temps > 0)
 
 
+def test_profiler_times_the_shipped_drafter_shape():
+    from dspark_jax.profiling import SHIPPED_DRAFTER
+
+    ds, _, _, _ = resolve_drafter("dspark")
+    assert {k: getattr(ds.cfg, k) for k in SHIPPED_DRAFTER} == SHIPPED_DRAFTER
+
+
 @pytest.mark.slow
 def test_shipped_dspark_drafter_is_lossless_and_accepts(target):
     """Greedy decoding with the shipped drafter at a fixed block of 7 equals plain decoding, and the drafter

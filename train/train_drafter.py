@@ -30,7 +30,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--ffn", type=int, default=1536)
-    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--rank", type=int, default=256, help="Markov / RNN head rank (the spec's 256)")
     p.add_argument("--block", type=int, default=7)
     p.add_argument("--draft-vocab", type=int, default=8192, help="0 = full target vocabulary")
     p.add_argument("--blocks", type=int, default=256, help="blocks per batch")
