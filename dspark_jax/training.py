@@ -274,6 +274,10 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, *, extra: dict[str, 
     import tempfile
 
     path = Path(path)
+    attach = [Path(f) for f in attach]
+    for f in attach:
+        if f.name in ("config.json", "weights.npz"):
+            raise ValueError(f"attach: {f} would overwrite the drafter's own {f.name}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     os.chmod(tmp, 0o755)
@@ -282,9 +286,7 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, *, extra: dict[str, 
         np.savez(tmp / "weights.npz", **flat)
         meta = {"config": drafter.cfg.to_dict(), **(extra or {})}
         (tmp / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
-        for f in map(Path, attach):
-            if f.name in ("config.json", "weights.npz"):
-                raise ValueError(f"attach: {f} would overwrite the drafter's own {f.name}")
+        for f in attach:
             shutil.copyfile(f, tmp / f.name)
         old = None
         if path.exists():
@@ -321,14 +323,13 @@ def load_drafter(path: str | os.PathLike) -> tuple[Drafter, dict[str, Any]]:
         raise ValueError(f"drafter {path}: weights.npz lacks {missing[:5]} (config and weights disagree)")
     for p, var in flat.items():
         key = "/".join(map(str, p))
-        arr = weights[key]
+        arr, want = weights[key], var[...]
         if key + SCALE_SUFFIX in weights:
             arr = arr.astype(np.float32) * weights[key + SCALE_SUFFIX]
-        elif arr.dtype == np.int8 and np.issubdtype(var[...].dtype, np.floating):
+        elif arr.dtype == np.int8 and np.issubdtype(want.dtype, np.floating):
             raise ValueError(f"drafter {path}: {key} is stored as int8 without its {key}{SCALE_SUFFIX} entry")
-        want = var[...]
         if arr.shape != want.shape:
-            raise ValueError(f"drafter {path}: {'/'.join(map(str, p))} has shape {arr.shape}, expected {want.shape}")
+            raise ValueError(f"drafter {path}: {key} has shape {arr.shape}, expected {want.shape}")
         var[...] = jnp.asarray(arr, want.dtype)
     return drafter, meta
 

@@ -227,7 +227,7 @@ def test_target_cache_build_is_incremental_and_consistent(tmp_path):
     np.testing.assert_allclose(final @ np.asarray(w.embed).T, logits, rtol=0.02, atol=0.05)  # float16 storage
 
 
-def test_pack_drafter_carries_side_files_and_halves_storage(tmp_path, monkeypatch):
+def test_pack_drafter_carries_side_files_and_shrinks_storage(tmp_path, monkeypatch):
     from train import pack_drafter
 
     monkeypatch.setattr(training, "_INT8_MIN_SIZE", 16)

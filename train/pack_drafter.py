@@ -21,11 +21,8 @@ def pack(src: str | Path, out: str | Path, *, int8: bool = False) -> Path:
     src = Path(src)
     drafter, meta = training.load_drafter(src)
     attach = [src / f for f in SIDE_FILES if (src / f).is_file()]
-    plot = src.parent / "training.png"
-    if (src / "training.png").is_file():
-        attach.append(src / "training.png")
-    elif plot.is_file():
-        attach.append(plot)
+    plots = [f for f in (src / "training.png", src.parent / "training.png") if f.is_file()]
+    attach += plots[:1]  # the export's own plot, else the run folder's
     extra = {k: v for k, v in meta.items() if k != "config"}
     extra["storage"] = "int8 matrices, per-channel float32 scales" if int8 else "float16"
     return training.save_drafter(drafter, out, extra=extra, quantize="int8" if int8 else None, attach=attach)
@@ -40,8 +37,8 @@ def main(argv=None):
     if Path(args.out).resolve() == Path(args.draft).resolve():
         raise SystemExit("--out must differ from --draft (the source is read while the copy is written)")
     out = pack(args.draft, args.out, int8=args.int8)
-    size = sum(f.stat().st_size for f in out.iterdir())
-    print(json.dumps({"out": str(out), "files": sorted(f.name for f in out.iterdir()), "bytes": size}))
+    files = sorted(out.iterdir())
+    print(json.dumps({"out": str(out), "files": [f.name for f in files], "bytes": sum(f.stat().st_size for f in files)}))
 
 
 if __name__ == "__main__":
