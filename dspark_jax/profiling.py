@@ -12,6 +12,11 @@ Both are measured as the engine runs them, on the backend JAX selects (or the on
 ``window`` is ``sps.context_window`` under a rule: ``"pow2"`` (default, the engine's: powers of two from
 128) or ``"step"`` (multiples of 128, ``llama.context_bucket``).
 
+A whole engine round costs more than these two programs: the host's share (admission, emission, the
+transfers), the engine's small bookkeeping programs and the drafter's context write. That remainder is
+measured last by running the engine itself at every row count, for drafting and for plain rounds
+(:func:`profile_round_overhead`), and stored as the cost model's ``overhead_s``.
+
 Every measurement warms up (compilation excluded), blocks until ready, repeats and keeps the median and
 the spread (``timing.time_call``). Cache contents are zeros: no operation's cost depends on the values.
 
@@ -62,6 +67,8 @@ __all__ = [
     "profile_cost_model",
     "sps_points",
     "profile_sps_table",
+    "profile_round_overhead",
+    "add_round_overhead",
 ]
 
 DEFAULT_BLOCK = 7
@@ -369,7 +376,9 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
                       window_rule: str = "pow2",
                       drafter: Drafter | None = None, with_drafter: bool = True, repeats: int = 5,
                       warmup: int = 1, max_seconds: float | None = None, device: jax.Device | None = None,
-                      progress: bool = False, extra: dict[str, Any] | None = None) -> SPSTable:
+                      round_overhead: bool = True, overhead_row_count: int | None = None,
+                      progress: bool = False,
+                      extra: dict[str, Any] | None = None) -> SPSTable:
     """Profile a whole table on ``device`` (default: JAX's choice): cost model, simple curve, metadata.
 
     Args:
@@ -383,6 +392,9 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
       drafter: the drafter to time (default: :func:`random_drafter`, the shipped shape); ``with_drafter``
         False records no draft cost.
       repeats, warmup, max_seconds, progress: as in :func:`profile_cost_model`.
+      round_overhead: with a drafter, also measure what an engine round costs beyond the programs
+        (:func:`profile_round_overhead`, greedy) at the smallest ``overhead_row_count`` row counts
+        (default: all of them; the others take the largest one's value).
       extra: more metadata.
     """
     device = select_device() if device is None else device
@@ -404,6 +416,13 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
         cost = profile_cost_model(weights, cfg, drafter, context_lengths=contexts, batch_tokens=buckets, rows=rows,
                                   cells=cells, block=block, window_rule=window_rule, repeats=repeats, warmup=warmup,
                                   max_seconds=max_seconds, progress=progress)
+        if round_overhead and drafter is not None:
+            from dspark_jax.models.llama import LlamaModel
+
+            measure = cost.rows if overhead_row_count is None else cost.rows[:max(1, overhead_row_count)]
+            overhead, spread = profile_round_overhead(LlamaModel(cfg, weights), drafter, cost, rows=measure,
+                                                      progress=progress)
+            cost = dataclasses.replace(cost, overhead_s=overhead, overhead_spread_s=spread)
     meta_extra = {
         "jax_version": jax.__version__,
         "host": f"{platform.machine()} {os.cpu_count()} cores",
@@ -418,8 +437,11 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
         "cells": "diagonal" if diagonal else "all",
         "drafter": None if drafter is None else {k: v for k, v in drafter.cfg.to_dict().items()
                                                  if k in ("n_layers", "ffn_dim", "rank", "draft_vocab_size", "head")},
-        "points": "rounds/s = 1 / (draft(R) + verify(R, B)) at the reference context, R = realistic_rows(B)",
+        "points": "rounds/s = 1 / (draft(R) + verify(R, B) + overhead(drafting, R)) at the reference context, "
+                  "R = realistic_rows(B)",
     }
+    if cost.overhead_s is not None:
+        meta_extra["round_overhead_temperature"] = 0.0
     meta_extra.update(extra or {})
     meta = SPSMetadata(device_kind=device.device_kind, backend=device.platform, model=model,
                        dtype=str(jnp.dtype(weights.embed.dtype)), context_length=ref,
@@ -458,3 +480,124 @@ def add_plain_rounds(table: SPSTable, weights: LlamaWeights, cfg: LlamaConfig, *
     meta = dataclasses.replace(table.metadata, extra={**table.metadata.extra,
                                                       "plain_rounds_date": datetime.date.today().isoformat()})
     return SPSTable(table.points, meta, cost)
+
+
+OVERHEAD_KINDS = ("drafting", "plain")
+
+
+def _forced_table(cost: CostModel, kind: str) -> SPSTable:
+    """A table under which the dspark engine drafts every round (``kind="drafting"``: verification flat,
+    plain rounds priced out, so every row schedules its whole block) or never runs the drafter after its
+    first round (``"plain"``: the drafter priced out). Only :func:`profile_round_overhead` uses it."""
+    C, R = len(cost.context_lengths), len(cost.rows)
+    slow = [[1e3] * R for _ in range(C)]
+    zeros = [[0.0] * R for _ in range(C)]
+    if kind == "drafting":
+        flat = float(np.nanmin(cost.filled_verify()[0]))
+        verify = [[[None if v is None else flat for v in row] for row in ctx] for ctx in cost.verify_s]
+        forced = dataclasses.replace(cost, verify_s=verify, plain_s=slow, plain_spread_s=zeros, overhead_s=None,
+                                     overhead_spread_s=None)
+    else:
+        forced = dataclasses.replace(cost, draft_s=slow, overhead_s=None, overhead_spread_s=None)
+    return SPSTable(sps_points(forced, forced.context_lengths[0]), cost_model=forced)
+
+
+def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: Sequence[int] | None = None,
+                           context: int | None = None, rounds: int = 12, warmup: int = 2, temperature: float = 0.0,
+                           progress: bool = False) -> tuple[list[list[float]], list[list[float]]]:
+    """What a whole engine round costs beyond the profiled programs, at each row count of ``cost``.
+
+    For every row count R (default: all of ``cost.rows``) and each kind of round, an engine with the
+    ``dspark`` policy serves R requests of ``context`` random prompt tokens (default: the second smallest
+    profiled context plus 10 tokens, in the next window, so the windows stay put while it runs): a drafting
+    kind where every row verifies its whole block, and a plain kind where the engine skips the drafter.
+    Each round's measured wall time minus the cost model's time for the same round (:meth:`CostModel.step_times`
+    at its batch, :meth:`CostModel.plain_step_time`) is one sample; rounds that compiled are left out.
+
+    Args:
+      target: a ``LlamaModel`` (the weights' device is where it runs).
+      drafter: a drafter of the profiled shape (random weights cost the same).
+      cost: the measured cost model (any overhead it already has is ignored).
+      rounds: timed rounds per (kind, R) after ``warmup`` rounds.
+      temperature: the engine's sampling temperature (0: greedy).
+
+    Returns:
+      ``(overhead_s, overhead_spread_s)``, each ``[2][R]`` over (drafting, plain) x ``cost.rows``: the median
+      of the samples and half their interquartile range, in seconds. A negative median means the isolated
+      programs measured slower than the same work inside the engine; it is kept (a correction either way),
+      down to half the fastest profiled round of its kind at that row count. Row counts not in
+      ``rows`` take the value of the next measured one (the last measured for larger).
+    """
+    from dspark_jax.engine import Engine, EngineConfig
+
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"rounds >= 1 and warmup >= 0 expected, got {rounds} and {warmup}")
+    if drafter.cfg.block != cost.block:
+        raise ValueError(f"drafter block {drafter.cfg.block} differs from the cost model's block {cost.block}")
+    base = dataclasses.replace(cost, overhead_s=None, overhead_spread_s=None)
+    measure = tuple(sorted(set(cost.rows if rows is None else (int(r) for r in rows))))
+    if not measure or any(r not in cost.rows for r in measure):
+        raise ValueError(f"rows {list(measure)} must be among the cost model's rows {list(cost.rows)}")
+    if context is None:
+        context = (cost.context_lengths[1] if len(cost.context_lengths) > 1 else cost.context_lengths[0]) + 10
+    G, S = cost.block, measure[-1]
+    attempts = warmup + 3 * rounds  # room for rounds that compile (a new bucket or window)
+    max_new = attempts * (G + 1) + 1
+    capacity = -(-(context + max_new + G + 2) // CONTEXT_STEP) * CONTEXT_STEP
+    vocab = target.cfg.vocab_size
+    rng = np.random.default_rng(0)
+    samples: dict[tuple[int, int], list[float]] = {}
+    jobs = [(k, r) for r in measure for k in range(len(OVERHEAD_KINDS))]
+    for k, R in tqdm(jobs, disable=not progress, desc="round overhead", unit="cell"):
+        kind = OVERHEAD_KINDS[k]
+        engine = Engine(target, drafter, "dspark",
+                        EngineConfig(num_slots=S, capacity=capacity, temperature=temperature,
+                                     window_rule=cost.window_rule, gate_probe_every=10**9),
+                        sps=_forced_table(base, kind), stop_ids=())
+        for _ in range(R):
+            engine.submit(rng.integers(0, vocab, context).tolist(), max_new)
+        got: list[float] = []
+        for i in range(attempts):
+            st = engine.step()
+            if st is None or len(got) == rounds:
+                break
+            if i < warmup or st.compiled or st.drafted != (kind == "drafting"):
+                continue
+            if kind == "drafting":
+                predicted = float(base.step_times(st.active, st.context)[st.batch_tokens])
+            else:
+                predicted = base.plain_step_time(st.active, st.context)
+            got.append(st.seconds - predicted)
+        del engine
+        if not got:
+            raise RuntimeError(f"round overhead: no steady {kind} round at R={R} in {attempts} rounds")
+        samples[(k, R)] = got
+    overhead = [[0.0] * len(cost.rows) for _ in OVERHEAD_KINDS]
+    spread = [[0.0] * len(cost.rows) for _ in OVERHEAD_KINDS]
+    verify, draft = base.filled_verify()[0], np.asarray(base.draft_s, np.float64)
+    fastest = ((verify.min(axis=2) + draft).min(axis=0), base.plain_grid().min(axis=0))  # [R] per kind
+    for k in range(len(OVERHEAD_KINDS)):
+        for i, r in enumerate(cost.rows):
+            src = next((m for m in measure if m >= r), measure[-1])
+            q1, med, q3 = np.percentile(samples[(k, src)], [25, 50, 75])
+            # The correction holds at the measured context; at the shortest profiled one it may take at most
+            # half of the fastest round of its kind away (a round is never free).
+            overhead[k][i], spread[k][i] = max(float(med), -0.5 * float(fastest[k][i])), float(q3 - q1) / 2
+    return overhead, spread
+
+
+def add_round_overhead(table: SPSTable, target, drafter: Drafter, *, progress: bool = False,
+                       **kw) -> SPSTable:
+    """``table`` with its cost model's round overhead (re)measured (:func:`profile_round_overhead`, keyword
+    arguments passed on) and its simple curve recomputed to include it."""
+    cm = table.cost_model
+    if cm is None:
+        raise ValueError("add_round_overhead: the table has no cost model to extend")
+    overhead, spread = profile_round_overhead(target, drafter, cm, progress=progress, **kw)
+    cost = dataclasses.replace(cm, overhead_s=overhead, overhead_spread_s=spread)
+    extra = {**table.metadata.extra, "round_overhead_date": datetime.date.today().isoformat(),
+             "round_overhead_temperature": float(kw.get("temperature", 0.0)),
+             "points": "rounds/s = 1 / (draft(R) + verify(R, B) + overhead(drafting, R)) at the reference context, "
+                       "R = realistic_rows(B)"}
+    meta = dataclasses.replace(table.metadata, extra=extra)
+    return SPSTable(sps_points(cost, table.metadata.context_length), meta, cost)

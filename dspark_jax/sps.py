@@ -18,7 +18,8 @@ The dense table ends at the largest measured batch: larger batches are infeasibl
 The points are the simple case, one curve ``SPS(B)``. A table may also hold a :class:`CostModel`, the
 cost of a whole round measured on a grid (spec section 3, "Cost model")::
 
-    step_time(R, B, L) = draft(R, Wd(L)) + verify(R, bucket(B), Wv(L))
+    step_time(R, B, L) = draft(R, Wd(L)) + verify(R, bucket(B), Wv(L)) + overhead(drafting, R)
+    plain_time(R, L) = plain(R, Wv(L)) + overhead(plain, R)      (a round without the drafter)
 
 with ``R`` the active requests (charged at the smallest measured row count ``>= R``, the engine's row
 bucket), ``B`` the verification tokens, ``L`` the longest context held by a request, and the attention
@@ -255,6 +256,10 @@ class CostModel:
     from the next measured batch of the same row (padding up), else from the next larger row count at the
     same batch. The largest row count must be measured at the largest batch, at every context length.
     ``draft_s[c][r]`` is the drafter's time for a block of every row (0 when no drafter was measured).
+    ``overhead_s[k][r]`` (optional; zeros when absent) is what a whole engine round at ``rows[r]`` takes
+    beyond those programs, for a drafting round (``k = 0``) and a plain round (``k = 1``): the host's share
+    of the round, the engine's bookkeeping programs and the drafter's context write, measured by running
+    the engine (``profiling.profile_round_overhead``); it is added to every round time of its kind.
     Spreads are half the interquartile range of the repeats, in seconds.
     """
 
@@ -274,11 +279,14 @@ class CostModel:
     # runs it when a round schedules nothing: [C][R] seconds, or None (then read from verify_s at B = rows).
     plain_s: tuple | None = None
     plain_spread_s: tuple | None = None
+    # Seconds an engine round takes beyond the profiled programs: [2][R] (drafting round, plain round).
+    overhead_s: tuple | None = None
+    overhead_spread_s: tuple | None = None
 
     _DEPTHS = {"context_lengths": 1, "windows": 1, "draft_windows": 1, "rows": 1, "batch_tokens": 1,
                "verify_s": 3, "verify_spread_s": 3, "draft_s": 2, "draft_spread_s": 2, "plain_s": 2,
-               "plain_spread_s": 2}
-    _OPTIONAL = ("plain_s", "plain_spread_s")
+               "plain_spread_s": 2, "overhead_s": 2, "overhead_spread_s": 2}
+    _OPTIONAL = ("plain_s", "plain_spread_s", "overhead_s", "overhead_spread_s")
 
     def __post_init__(self):
         for name, depth in self._DEPTHS.items():
@@ -324,6 +332,17 @@ class CostModel:
                     if not _finite(v) or v <= 0 or not _finite(vs) or vs < 0:
                         raise ValueError(f"cost model: plain_s[{c}][{r}] (context {self.context_lengths[c]}, rows "
                                          f"{self.rows[r]}) must be finite and > 0 with a spread >= 0, got {v!r}, {vs!r}")
+        if (self.overhead_s is None) != (self.overhead_spread_s is None):
+            raise ValueError("cost model: overhead_s and overhead_spread_s must be given together")
+        if self.overhead_s is not None:
+            self._check_shape("overhead_s", self.overhead_s, (2, R))
+            self._check_shape("overhead_spread_s", self.overhead_spread_s, (2, R))
+            for k, kind in enumerate(("drafting", "plain")):
+                for r in range(R):
+                    v, vs = self.overhead_s[k][r], self.overhead_spread_s[k][r]
+                    if not _finite(v) or not _finite(vs) or vs < 0:
+                        raise ValueError(f"cost model: overhead_s[{k}][{r}] ({kind} round, rows {self.rows[r]}) must be "
+                                         f"finite with a finite spread >= 0, got {v!r} and {vs!r}")
         for c, L in enumerate(self.context_lengths):
             for r, rows in enumerate(self.rows):
                 d, ds = self.draft_s[c][r], self.draft_spread_s[c][r]
@@ -347,6 +366,16 @@ class CostModel:
                     f"B {self.batch_tokens[-1]}) must be measured: the largest row count at the largest batch "
                     f"is where missing cells are filled from"
                 )
+        if self.overhead_s is not None:  # a negative correction may not make any round free
+            verify = self.filled_verify()[0]
+            draft, plain = np.asarray(self.draft_s, np.float64), self.plain_grid()
+            for k, kind, fastest in ((0, "drafting", (verify.min(axis=2) + draft).min(axis=0)),
+                                     (1, "plain", plain.min(axis=0))):
+                for r in range(R):
+                    if not fastest[r] + self.overhead_s[k][r] > 0:
+                        raise ValueError(f"cost model: overhead_s[{k}][{r}] ({kind} round, rows {self.rows[r]}) = "
+                                         f"{self.overhead_s[k][r]!r} makes a round free: the fastest {kind} round at "
+                                         f"this row count takes {fastest[r]!r} s before it")
 
     @staticmethod
     def _check_shape(name, value, shape, prefix=""):
@@ -403,12 +432,20 @@ class CostModel:
         return np.stack([[grid[c, r, min(rows, self.max_tokens)] for r, rows in enumerate(self.rows)]
                          for c in range(grid.shape[0])])
 
+    def overhead_grid(self) -> np.ndarray:
+        """Seconds an engine round takes beyond the profiled programs: float64 [2, R] (drafting round, plain
+        round) at each row count; zeros when the profile has none."""
+        if self.overhead_s is None:
+            return np.zeros((2, len(self.rows)))
+        return np.asarray(self.overhead_s, np.float64)
+
     def plain_step_time(self, num_requests: int, context_tokens: int) -> float:
         """Seconds of a plain round for ``num_requests`` requests (the NumPy twin of :func:`plain_sps_from_cost`)."""
         self.check_query(num_requests, context_tokens)
         r = int(np.searchsorted(np.asarray(self.rows), num_requests, side="left"))
         wv, _ = self.windows_for(context_tokens)
-        return float(_window_mix(np, np.asarray(self.windows, np.float64), self.plain_grid()[:, r], float(wv)))
+        plain = float(_window_mix(np, np.asarray(self.windows, np.float64), self.plain_grid()[:, r], float(wv)))
+        return plain + float(self.overhead_grid()[1, r])
 
     def windows_for(self, context_tokens: int) -> tuple[int, int]:
         """``(verification window, draft window)`` of a round whose longest request holds ``context_tokens``."""
@@ -417,15 +454,18 @@ class CostModel:
     def curve(self, context_tokens: int, *, tokens_per_request: int = 4) -> dict[str, np.ndarray]:
         """The simple curve at one context: each measured batch ``B`` with :func:`realistic_rows` rows.
 
-        Returns arrays [T]: ``batch_tokens`` and ``rows`` (int64); ``verify_s``, ``draft_s``, ``step_s`` (their
-        sum) and ``spread_s`` (the sum of the two spreads, an upper bound), float64 seconds.
+        Returns arrays [T]: ``batch_tokens`` and ``rows`` (int64); ``verify_s``, ``draft_s``, ``overhead_s``
+        (the drafting round's), ``step_s`` (their sum) and ``spread_s`` (the sum of the spreads, an upper
+        bound), float64 seconds.
         """
         verify, vspread = self.filled_verify()
         draft, dspread = np.asarray(self.draft_s, np.float64), np.asarray(self.draft_spread_s, np.float64)
         wv, wd = self.windows_for(context_tokens)
         mix_v = lambda x: float(_window_mix(np, np.asarray(self.windows, np.float64), x, float(wv)))
         mix_d = lambda x: float(_window_mix(np, np.asarray(self.draft_windows, np.float64), x, float(wd)))
-        out = {k: [] for k in ("batch_tokens", "rows", "verify_s", "draft_s", "step_s", "spread_s")}
+        over = self.overhead_grid()[0]
+        over_spread = np.zeros_like(over) if self.overhead_spread_s is None else np.asarray(self.overhead_spread_s)[0]
+        out = {k: [] for k in ("batch_tokens", "rows", "verify_s", "draft_s", "overhead_s", "step_s", "spread_s")}
         for t, b in enumerate(self.batch_tokens):
             rows = realistic_rows(b, max_rows=self.rows[-1], tokens_per_request=tokens_per_request)
             r = int(np.searchsorted(np.asarray(self.rows), rows, side="left"))
@@ -434,8 +474,9 @@ class CostModel:
             out["rows"].append(rows)
             out["verify_s"].append(v)
             out["draft_s"].append(d)
-            out["step_s"].append(v + d)
-            out["spread_s"].append(mix_v(vspread[:, r, t]) + mix_d(dspread[:, r]))
+            out["overhead_s"].append(float(over[r]))
+            out["step_s"].append(v + d + float(over[r]))
+            out["spread_s"].append(mix_v(vspread[:, r, t]) + mix_d(dspread[:, r]) + float(over_spread[r]))
         return {k: np.asarray(v) for k, v in out.items()}
 
     def check_query(self, num_requests, context_tokens) -> None:
@@ -458,7 +499,7 @@ class CostModel:
         verify = _window_mix(np, np.asarray(self.windows, np.float64), self.verify_grid(interpolation)[:, r, :],
                              float(wv))
         draft = _window_mix(np, np.asarray(self.draft_windows, np.float64), np.asarray(self.draft_s)[:, r], float(wd))
-        t = verify + draft
+        t = verify + draft + self.overhead_grid()[0, r]
         if envelope:
             t = np.minimum.accumulate(t[::-1])[::-1]
         return t
@@ -471,6 +512,7 @@ class CostModel:
                           verify_s=jnp.asarray(self.verify_grid(interpolation), jnp.float32),
                           draft_s=jnp.asarray(self.draft_s, jnp.float32),
                           plain_s=jnp.asarray(self.plain_grid(), jnp.float32),
+                          overhead_s=jnp.asarray(self.overhead_grid(), jnp.float32),
                           block=int(self.block), context_step=int(self.context_step), window_rule=self.window_rule)
 
     # ------------------------------------------------------------------ serialisation
@@ -503,6 +545,8 @@ class CostArrays:
       verify_s: float32 [C, R, N] verification seconds for ``b = 0..N-1`` batch tokens.
       draft_s: float32 [C, R] draft seconds.
       plain_s: float32 [C, R] seconds of a plain round (no drafts) at each row count.
+      overhead_s: float32 [2, R] seconds an engine round takes beyond the programs above (drafting round,
+        plain round; zeros when not profiled).
     """
 
     windows: jax.Array
@@ -511,13 +555,14 @@ class CostArrays:
     verify_s: jax.Array
     draft_s: jax.Array
     plain_s: jax.Array
+    overhead_s: jax.Array
     block: int
     context_step: int
     window_rule: str
 
 
 jax.tree_util.register_dataclass(CostArrays, data_fields=["windows", "draft_windows", "rows", "verify_s", "draft_s",
-                                                                "plain_s"],
+                                                                "plain_s", "overhead_s"],
                                  meta_fields=["block", "context_step", "window_rule"])
 
 
@@ -538,7 +583,7 @@ def sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_tokens: jax
       envelope: replace step time by its suffix minimum over ``b`` (non-increasing steps/s).
 
     Returns:
-      float32 [N], ``sps[b] = 1 / (draft(R, Wd(L)) + verify(R, b, Wv(L)))``.
+      float32 [N], ``sps[b] = 1 / (draft(R, Wd(L)) + verify(R, b, Wv(L)) + overhead(drafting, R))``.
 
     >>> cm = CostModel(block=1, context_step=128, window_rule="pow2", context_lengths=(0, 200),
     ...                windows=(128, 256), draft_windows=(128, 256), rows=(1, 2), batch_tokens=(2, 4),
@@ -553,7 +598,7 @@ def sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_tokens: jax
     wv, wd = round_windows(jnp.asarray(context_tokens, jnp.int32), cost.block, cost.context_step, cost.window_rule)
     verify = _window_mix(jnp, cost.windows, cost.verify_s[:, r, :], wv.astype(jnp.float32))  # [N]
     draft = _window_mix(jnp, cost.draft_windows, cost.draft_s[:, r], wd.astype(jnp.float32))  # []
-    t = verify + draft
+    t = verify + draft + cost.overhead_s[0, r]
     if envelope:
         t = lax.cummin(t, axis=0, reverse=True)
     return (1.0 / t).astype(jnp.float32)
@@ -566,7 +611,8 @@ def plain_sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_token
     num = jnp.asarray(num_requests, jnp.int32)
     r = jnp.clip(jnp.searchsorted(cost.rows, num, side="left"), 0, cost.rows.shape[0] - 1)
     wv, _ = round_windows(jnp.asarray(context_tokens, jnp.int32), cost.block, cost.context_step, cost.window_rule)
-    return (1.0 / _window_mix(jnp, cost.windows, cost.plain_s[:, r], wv.astype(jnp.float32))).astype(jnp.float32)
+    plain = _window_mix(jnp, cost.windows, cost.plain_s[:, r], wv.astype(jnp.float32)) + cost.overhead_s[1, r]
+    return (1.0 / plain).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,8 @@
 Runs on the backend JAX selects (CPU, GPU or TPU); `--backend` insists on one. Writes the table (JSON,
 atomically) and a PNG beside it, and prints the curves. `--quick` measures one context and four buckets up
 to 256 (under a minute on two CPU cores); the default measures every (rows, bucket) cell a round can use.
+Last, it runs the engine at every row count to measure what a whole round costs beyond those programs
+(`--quick`: the smallest row count; `--no-overhead` skips it; `--add-overhead` adds it to an existing table).
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="target weights")
     p.add_argument("--backend", help="insist on a backend (cpu, gpu, tpu); default: JAX's choice")
     p.add_argument("--markdown", action="store_true", help="also print the curves as a Markdown table (README)")
+    p.add_argument("--no-overhead", action="store_true",
+                   help="skip the engine-round overhead (the host's share of a round, measured by running the engine)")
+    p.add_argument("--add-overhead", action="store_true",
+                   help="measure only the engine-round overhead of the table at --out, with the shipped drafter's "
+                        "shape, and write it back (for tables profiled before it was part of the profile)")
     p.add_argument("--add-plain", action="store_true",
                    help="measure only the plain rounds (no drafts) of the table at --out and write it back "
                         "(for tables profiled before plain rounds were part of the profile)")
@@ -63,7 +70,8 @@ def curve_rows(table) -> list[dict]:
         c = cm.curve(L)
         for i, b in enumerate(c["batch_tokens"]):
             rows.append({"L": L, "B": int(b), "R": int(c["rows"][i]), "verify_ms": 1e3 * c["verify_s"][i],
-                         "draft_ms": 1e3 * c["draft_s"][i], "round_ms": 1e3 * c["step_s"][i],
+                         "draft_ms": 1e3 * c["draft_s"][i], "overhead_ms": 1e3 * c["overhead_s"][i],
+                         "round_ms": 1e3 * c["step_s"][i],
                          "rounds_per_s": 1 / c["step_s"][i], "tokens_per_s": b / c["step_s"][i]})
     return rows
 
@@ -117,6 +125,24 @@ def main(argv=None):
     if args.reference_context is not None and args.reference_context not in contexts:
         raise ValueError(f"--reference-context {args.reference_context} must be one of --context-lengths {contexts}")
 
+    if args.add_overhead:
+        from dspark_jax.models.llama import LlamaModel
+        from dspark_jax.sps import load_sps_table
+
+        table = load_sps_table(out)
+        cfg, weights, _ = load_target(args)
+        with jax.default_device(device):
+            target = LlamaModel(cfg, jax.device_put(weights, device))
+            drafter = profiling.random_drafter(cfg, block=table.cost_model.block)
+            table = profiling.add_round_overhead(table, target, drafter, progress=True)
+        table.save(out)
+        cm = table.cost_model
+        for k, kind in enumerate(profiling.OVERHEAD_KINDS):
+            print(f"{kind} round overhead ms " + " ".join(f"R={r}:{1e3 * cm.overhead_s[k][i]:.1f}"
+                                                        for i, r in enumerate(cm.rows)))
+        print(f"wrote {out}")
+        return table
+
     if args.add_plain:
         from dspark_jax.sps import load_sps_table
 
@@ -140,11 +166,13 @@ def main(argv=None):
         weights, cfg, model=name, context_lengths=contexts,
         reference_context=args.reference_context, rows=args.rows, diagonal=args.quick, block=args.block,
         window_rule=args.window_rule,
-        with_drafter=not args.no_drafter, repeats=repeats, max_seconds=args.max_seconds, device=device,
+        with_drafter=not args.no_drafter, round_overhead=not args.no_overhead,
+        overhead_row_count=1 if args.quick else None, repeats=repeats, max_seconds=args.max_seconds, device=device,
         progress=True, extra={"quick": args.quick}, batch_tokens=buckets)
     table.save(out)
     print(format_table(curve_rows(table),
-                       ["L", "B", "R", "verify_ms", "draft_ms", "round_ms", "rounds_per_s", "tokens_per_s"]))
+                       ["L", "B", "R", "verify_ms", "draft_ms", "overhead_ms", "round_ms", "rounds_per_s",
+                        "tokens_per_s"]))
     if args.markdown:
         print(markdown(table))
     print(f"wrote {out}")

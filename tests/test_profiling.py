@@ -357,6 +357,11 @@ def test_quick_tiny_profile_gives_a_valid_table(tiny_profile):
     assert list(loaded.batch_tokens) == [8, 16] and cm.batch_tokens == (8, 16)
     assert all(d > 0 for row in cm.draft_s for d in row)
     assert cm.plain_s is not None and all(p > 0 for row in cm.plain_s for p in row)
+    # --quick measures the engine-round overhead at one row; the other rows take its value
+    assert cm.overhead_s is not None and len(cm.overhead_s) == 2
+    for kind in cm.overhead_s:
+        assert len(kind) == len(cm.rows) and all(v == kind[0] for v in kind)
+    assert meta.extra["round_overhead_temperature"] == 0.0
     for R in range(1, cm.rows[-1] + 1):
         got = float(plain_sps_from_cost(loaded.cost_arrays(), jnp.int32(R), jnp.int32(200)))
         assert got == pytest.approx(1 / cm.plain_step_time(R, 200), rel=1e-5)
@@ -487,3 +492,40 @@ def test_plain_rounds_optional_with_fallback_and_round_trip(tmp_path):
         dataclasses.replace(cm, plain_s=plain, plain_spread_s=None)
     with pytest.raises(ValueError, match="plain_s"):
         dataclasses.replace(cm, plain_s=[[0.0] * len(cm.rows) for _ in cm.context_lengths], plain_spread_s=spread)
+
+
+def test_round_overhead_adds_to_its_kind_everywhere(tmp_path):
+    """The engine-round overhead is optional (tables without it load and charge nothing more), survives
+    JSON, is validated, and adds its kind's seconds to every round time: the NumPy twins, the jitted
+    curves the engine reads, and the simple points."""
+    plain = [[0.5e-3 * (1 + r) for r in range(3)] for _ in range(2)]
+    cm = dataclasses.replace(synthetic(), plain_s=plain, plain_spread_s=[[0.0] * 3 for _ in range(2)])
+    over = [[1e-3, 2e-3, 4e-3], [3e-3, 5e-3, 7e-3]]
+    with_over = dataclasses.replace(cm, overhead_s=over, overhead_spread_s=[[0.0] * 3, [1e-4] * 3])
+    assert "overhead_s" not in table_with(cm).to_json()["cost_model"]
+    np.testing.assert_array_equal(cm.overhead_grid(), np.zeros((2, 3)))
+    for R, r in ((1, 0), (2, 1), (3, 2), (4, 2)):
+        for L in (120, 300):
+            np.testing.assert_allclose(with_over.step_times(R, L), cm.step_times(R, L) + over[0][r], rtol=1e-12)
+            assert with_over.plain_step_time(R, L) == pytest.approx(cm.plain_step_time(R, L) + over[1][r])
+            arrays = with_over.arrays()
+            np.testing.assert_allclose(np.asarray(sps_from_cost(arrays, jnp.int32(R), jnp.int32(L))),
+                                       1 / with_over.step_times(R, L), rtol=2e-6)
+            assert float(plain_sps_from_cost(arrays, jnp.int32(R), jnp.int32(L))) == pytest.approx(
+                1 / with_over.plain_step_time(R, L), rel=2e-6)
+    curve, base = with_over.curve(120), cm.curve(120)
+    r = np.searchsorted(np.asarray(cm.rows), curve["rows"])
+    np.testing.assert_allclose(curve["step_s"], base["step_s"] + np.asarray(over[0])[r])
+    t = table_with(with_over)
+    t.save(tmp_path / "t.json")
+    assert SPSTable.load(tmp_path / "t.json") == t
+    with pytest.raises(ValueError, match="overhead_s and overhead_spread_s must be given together"):
+        dataclasses.replace(cm, overhead_s=over)
+    with pytest.raises(ValueError, match=r"overhead_s\[1\]\[2\] \(plain round, rows 4\) = -1.0 makes a round free"):
+        dataclasses.replace(cm, overhead_s=[over[0], [0.0, 0.0, -1.0]], overhead_spread_s=[[0.0] * 3] * 2)
+    with pytest.raises(ValueError, match=r"overhead_s\[0\]\[0\] \(drafting round, rows 1\) must be finite"):
+        dataclasses.replace(cm, overhead_s=[[float("nan")] * 3, over[1]], overhead_spread_s=[[0.0] * 3] * 2)
+    slower = dataclasses.replace(cm, overhead_s=[[-1e-4] * 3, [-1e-4] * 3], overhead_spread_s=[[0.0] * 3] * 2)
+    assert slower.plain_step_time(1, 120) == pytest.approx(cm.plain_step_time(1, 120) - 1e-4)  # a correction
+    with pytest.raises(ValueError, match=r"overhead_s must have 2 entries"):
+        dataclasses.replace(cm, overhead_s=[over[0]], overhead_spread_s=[[0.0] * 3])
