@@ -72,38 +72,57 @@ class LoadResult:
     rounds: list[RoundStats]
 
 
-def closed_loop(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int, max_new_tokens: int, *,
-                warmup_rounds: int, measure_rounds: int, repeats: int = 1, min_window_tokens: int = 0) -> LoadResult:
-    """Run ``concurrency`` users against ``engine``; measure ``repeats`` windows of at least ``measure_rounds``
-    rounds and at least ``min_window_tokens`` emitted tokens each.
+class ClosedLoop:
+    """``concurrency`` users against ``engine``, each sending its next prompt (in order from ``first_prompt``,
+    cycling) as soon as its previous answer finished; :meth:`window` runs rounds and returns their stats.
+    Several loops can take turns (the interleaved serving benchmark): each keeps its engine's state."""
 
-    The token floor keeps low-concurrency windows from timing a few dozen tokens of one answer: at one user a
-    window of 12 rounds would be 12 to 20 tokens. Rounds in which something compiled are excluded from the
-    throughput (their time is compile time).
-    """
-    if concurrency > engine.cfg.num_slots:
-        raise ValueError(f"concurrency {concurrency} exceeds the engine's {engine.cfg.num_slots} slots")
-    feed = itertools.cycle(range(len(prompts)))
-    submitted = 0
+    def __init__(self, engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int, max_new_tokens: int, *,
+                 first_prompt: int = 0):
+        if concurrency > engine.cfg.num_slots:
+            raise ValueError(f"concurrency {concurrency} exceeds the engine's {engine.cfg.num_slots} slots")
+        if not prompts:
+            raise ValueError("prompts: expected at least one prompt")
+        self.engine, self.prompts, self.concurrency, self.max_new_tokens = engine, prompts, concurrency, max_new_tokens
+        self._next = first_prompt % len(prompts)
+        self.submitted = 0
 
-    def top_up():
-        nonlocal submitted
-        while submitted - len(engine.finished_ids) < concurrency:
-            engine.submit(prompts[next(feed)], max_new_tokens)
-            submitted += 1
+    def _top_up(self) -> None:
+        while self.submitted - len(self.engine.finished_ids) < self.concurrency:
+            self.engine.submit(self.prompts[self._next], self.max_new_tokens)
+            self._next = (self._next + 1) % len(self.prompts)
+            self.submitted += 1
 
-    def run(n, min_tokens=0):
+    def window(self, rounds: int, min_tokens: int = 0) -> list[RoundStats]:
+        """Run at least ``rounds`` rounds and until at least ``min_tokens`` tokens were emitted."""
         out, tokens = [], 0
-        while len(out) < n or tokens < min_tokens:
-            top_up()
-            stats = engine.step()
+        while len(out) < rounds or tokens < min_tokens:
+            self._top_up()
+            stats = self.engine.step()
             if stats is not None:
                 out.append(stats)
                 tokens += stats.emitted
         return out
 
-    run(warmup_rounds)
-    windows = [run(measure_rounds, min_window_tokens) for _ in range(repeats)]
+
+def closed_loop(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int, max_new_tokens: int, *,
+                warmup_rounds: int, measure_rounds: int, repeats: int = 1, min_window_tokens: int = 0) -> LoadResult:
+    """Run ``concurrency`` users against ``engine`` (:class:`ClosedLoop`); measure ``repeats`` windows of at
+    least ``measure_rounds`` rounds and at least ``min_window_tokens`` emitted tokens each.
+
+    The token floor keeps low-concurrency windows from timing a few dozen tokens of one answer: at one user a
+    window of 12 rounds would be 12 to 20 tokens. Rounds in which something compiled are excluded from the
+    throughput (their time is compile time).
+    """
+    loop = ClosedLoop(engine, prompts, concurrency, max_new_tokens)
+    loop.window(warmup_rounds)
+    windows = [loop.window(measure_rounds, min_window_tokens) for _ in range(repeats)]
+    return summarize_windows(windows, completed_requests=len(engine.finished_ids))
+
+
+def summarize_windows(windows: Sequence[Sequence[RoundStats]], *, completed_requests: int = 0) -> LoadResult:
+    """A :class:`LoadResult` from measurement windows (lists of rounds): tokens/s per window over its rounds
+    that compiled nothing, their median and half their range, and the counters over all steady rounds."""
     rates = []
     for w in windows:
         steady = [r for r in w if not r.compiled]
@@ -124,7 +143,7 @@ def closed_loop(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: i
         mean_batch_tokens=float(np.mean([r.batch_tokens for r in steady])) if steady else float("nan"),
         steady_rounds=len(steady),
         compiled_rounds=len(rounds) - len(steady),
-        completed_requests=len(engine.finished_ids),
+        completed_requests=completed_requests,
         rounds=rounds,
     )
 

@@ -8,6 +8,12 @@ finishes. For every concurrency, temperature and policy: total output tokens/s (
 measurement windows, spread = half their range), tokens/s per user, accepted length, mean scheduled drafts per
 request per round and the share of verified drafts rejected; ratios against `none` and the best fixed K of
 the same run. Rounds that compiled are excluded from the timing.
+
+Interleaved by default: at each (concurrency, temperature) every policy gets its own engine and closed loop
+(warmed up first, the same prompt stream for each), and the policies take turns, one measurement window at a
+time, in a rotated order each repeat. A host whose speed drifts then slows every policy alike within a
+repeat, and the per-window ratios (`ratio_vs_none_repeats`, `ratio_vs_best_fixed_repeats`) show the spread of
+the ratios themselves. `--sequential` measures each policy's windows back to back on one engine instead.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from dspark_jax.drafters import resolve_drafter
 from dspark_jax.engine import Engine, EngineConfig, parse_policy
 from dspark_jax.models.llama import LlamaModel
 from dspark_jax.plots import plot_serving
-from dspark_jax.serving import closed_loop, mixed_prompts, scheduling_quality
+from dspark_jax.serving import ClosedLoop, closed_loop, mixed_prompts, scheduling_quality, summarize_windows
 from dspark_jax.sps import default_sps_table, load_sps_table
 from dspark_jax.timing import device_info, format_table, write_json
 
@@ -54,6 +60,8 @@ def main(argv=None):
     p.add_argument("--sps", help="SPS table JSON (default: the shipped CPU table)")
     p.add_argument("--prompts", help="folder of JSONL prompts (default: ../shared/data/prompts/dev or shipped)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sequential", action="store_true",
+                   help="measure each policy's windows back to back (default: policies interleaved window by window)")
     args = p.parse_args(argv)
     if args.quick:
         args.concurrency, args.temperatures = [1, 16], [0.0]
@@ -72,13 +80,35 @@ def main(argv=None):
     info = device_info()
     rows, recorded = [], {}
 
-    def measure(policy_text, n, temp):
+    def engine_for(policy_text, n, temp):
         policy = parse_policy(policy_text)
         cfg = EngineConfig(num_slots=n, capacity=capacity, temperature=temp, seed=args.seed)
         engine = Engine(model, drafter if policy.drafts else None, policy, cfg, sts_temperatures=temps, sps=table)
         engine.record_confidences = policy.drafts
-        res = closed_loop(engine, prompts, n, args.max_new_tokens, warmup_rounds=args.warmup_rounds,
-                          measure_rounds=args.rounds, repeats=args.repeats, min_window_tokens=args.min_window_tokens)
+        return engine
+
+    def measure(policy_text, n, temp):
+        res = closed_loop(engine_for(policy_text, n, temp), prompts, n, args.max_new_tokens,
+                          warmup_rounds=args.warmup_rounds, measure_rounds=args.rounds, repeats=args.repeats,
+                          min_window_tokens=args.min_window_tokens)
+        return report(policy_text, n, temp, res)
+
+    def measure_interleaved(policies, n, temp):
+        """Every policy's loop warmed up, then one window per policy per repeat, in a rotated order."""
+        loops = {pol: ClosedLoop(engine_for(pol, n, temp), prompts, n, args.max_new_tokens) for pol in policies}
+        for loop in loops.values():
+            loop.window(args.warmup_rounds)
+        windows = {pol: [] for pol in policies}
+        for k in range(args.repeats):
+            shift = k % len(policies)
+            for pol in policies[shift:] + policies[:shift]:
+                windows[pol].append(loops[pol].window(args.rounds, args.min_window_tokens))
+        return [report(pol, n, temp, summarize_windows(windows[pol],
+                                                       completed_requests=len(loops[pol].engine.finished_ids)))
+                for pol in policies]
+
+    def report(policy_text, n, temp, res):
+        policy = parse_policy(policy_text)
         row = {"policy": policy_text, "concurrency": n, "temperature": temp, "tokens_per_s": res.tokens_per_s,
                "tokens_per_s_spread": res.tokens_per_s_spread, "tokens_per_s_per_user": res.tokens_per_s / n,
                "accept_len": res.accept_len, "drafts_per_request": res.drafts_per_request,
@@ -103,19 +133,28 @@ def main(argv=None):
             print(f"  T={temp:g}: best threshold at N={n0}: {best_c}", flush=True)
         for n in args.concurrency:
             point = []
-            for pol in args.policies:
-                if pol == "threshold":
-                    r = best if best["concurrency"] == n else measure(best_c, n, temp)
-                    point.append(dict(r, policy="threshold:best", threshold=best_c, threshold_sweep=False))
-                else:
-                    point.append(measure(pol, n, temp))
-            base = next((r["tokens_per_s"] for r in point if r["policy"] == "none"), None)
+            if args.sequential:
+                for pol in args.policies:
+                    if pol == "threshold":
+                        r = best if best["concurrency"] == n else measure(best_c, n, temp)
+                        point.append(dict(r, policy="threshold:best", threshold=best_c, threshold_sweep=False))
+                    else:
+                        point.append(measure(pol, n, temp))
+            else:
+                names = [best_c if pol == "threshold" else pol for pol in args.policies]
+                for pol, r in zip(args.policies, measure_interleaved(names, n, temp)):
+                    point.append(dict(r, policy="threshold:best", threshold=best_c, threshold_sweep=False)
+                                 if pol == "threshold" else r)
+            none = next((r for r in point if r["policy"] == "none"), None)
             fixed = [r for r in point if r["policy"].startswith("fixed:")]
             best_fixed = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else None
             for r in point:
-                r["ratio_vs_none"] = r["tokens_per_s"] / base if base else None
+                r["ratio_vs_none"] = r["tokens_per_s"] / none["tokens_per_s"] if none else None
                 r["ratio_vs_best_fixed"] = r["tokens_per_s"] / best_fixed["tokens_per_s"] if best_fixed else None
                 r["best_fixed"] = best_fixed["policy"] if best_fixed else None
+                if not args.sequential:  # window k of every policy ran side by side: ratios per window
+                    for key, ref in (("ratio_vs_none_repeats", none), ("ratio_vs_best_fixed_repeats", best_fixed)):
+                        r[key] = [a / b for a, b in zip(r["repeats"], ref["repeats"])] if ref else None
                 r.update(info)
             rows += point
         for r in sweep:

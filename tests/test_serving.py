@@ -50,7 +50,8 @@ def test_scheduling_quality_jagged_table_reports_the_gap():
 def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
     """The benchmark script end to end on a tiny grid (real target, random drafter): every (policy, N, T)
     row carries the documented fields, ratios are against `none` and the best fixed K of the same run, the
-    threshold policy uses the best C of its sweep, and the figures are written."""
+    threshold policy uses the best C of its sweep, policies are interleaved window by window with per-window
+    ratios, and the figures are written."""
     from flax import nnx
 
     from dspark_jax.models.drafter import Drafter, DrafterConfig
@@ -65,7 +66,7 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
         "--draft", str(tmp_path / "drafter"), "--concurrency", "1", "2", "--temperatures", "0",
         "--policies", "none", "fixed:1", "fixed:3", "threshold", "dspark", "--thresholds", "0.2", "0.9",
         "--threshold-sweep-at", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "96",
-        "--warmup-rounds", "1", "--rounds", "3", "--min-window-tokens", "8", "--repeats", "1", "--json", str(out), "--plots", str(tmp_path / "fig"),
+        "--warmup-rounds", "1", "--rounds", "3", "--min-window-tokens", "8", "--repeats", "2", "--json", str(out), "--plots", str(tmp_path / "fig"),
     ])
     report = json.loads(out.read_text())
     rows = [r for r in report["rows"] if not r.get("threshold_sweep")]
@@ -83,6 +84,10 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
             assert r["tokens_per_s"] > 0
             assert r["tokens_per_s_per_user"] == pytest.approx(r["tokens_per_s"] / n)
             assert r["ratio_vs_none"] == pytest.approx(r["tokens_per_s"] / point["none"]["tokens_per_s"])
+            # interleaved (the default): window k of every policy ran side by side, so ratios pair by window
+            assert len(r["repeats"]) == 2
+            assert r["ratio_vs_none_repeats"] == pytest.approx(
+                [a / b for a, b in zip(r["repeats"], point["none"]["repeats"])])
         best_fixed = max(point["fixed:1"]["tokens_per_s"], point["fixed:3"]["tokens_per_s"])
         assert point["dspark"]["ratio_vs_best_fixed"] == pytest.approx(point["dspark"]["tokens_per_s"] / best_fixed)
         assert point["threshold:best"]["threshold"] == best_c
@@ -97,3 +102,22 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
     for q in report["scheduling_quality"].values():
         assert q["rounds"] >= 3 and 0.0 < q["min_ratio"] <= q["mean_ratio"] <= 1.0 + 1e-6
     assert sorted(p.name for p in (tmp_path / "fig").glob("*.png"))
+
+
+def _timed_round(emitted, seconds, compiled=False, scheduled=(0,), accepted=(0,)):
+    return RoundStats(active=len(scheduled), scheduled=np.asarray(scheduled), accepted=np.asarray(accepted),
+                      emitted=emitted, batch_tokens=1, padded_tokens=1, seconds=seconds, compiled=compiled)
+
+
+def test_windows_summarize():
+    """Tokens/s per window over the rounds that compiled nothing, median and half-range over windows."""
+    from dspark_jax.serving import summarize_windows
+
+    w1 = [_timed_round(10, 1.0), _timed_round(99, 5.0, compiled=True), _timed_round(10, 1.0, scheduled=(3,), accepted=(1,))]
+    w2 = [_timed_round(30, 1.0)]
+    w3 = [_timed_round(5, 0.5), _timed_round(15, 0.5)]
+    res = summarize_windows([w1, w2, w3], completed_requests=4)
+    assert res.repeats == [10.0, 30.0, 20.0] and res.tokens_per_s == 20.0 and res.tokens_per_s_spread == 10.0
+    assert res.steady_rounds == 5 and res.compiled_rounds == 1 and res.completed_requests == 4
+    assert res.drafts_per_request == pytest.approx(3 / 5) and res.rejected_share == pytest.approx(2 / 3)
+    assert res.accept_len == pytest.approx(6 / 5)
