@@ -104,6 +104,22 @@ def load_target(args):
     return model.cfg, model.weights, profiling.model_label(path)
 
 
+def extend_table(args, device, out, extend, report):
+    """Load the table at ``out``, add to it ``extend(table, weights, cfg)`` with the target on ``device``, write it
+    back and print ``report(cost_model)`` (lines)."""
+    from dspark_jax.sps import load_sps_table
+
+    table = load_sps_table(out)
+    cfg, weights, _ = load_target(args)
+    with jax.default_device(device):
+        table = extend(table, jax.device_put(weights, device), cfg)
+    table.save(out)
+    for line in report(table.cost_model):
+        print(line)
+    print(f"wrote {out}")
+    return table
+
+
 def main(argv=None):
     args = parse_args(argv)
     # Everything that can fail fast fails before anything is loaded or measured.
@@ -126,38 +142,24 @@ def main(argv=None):
         raise ValueError(f"--reference-context {args.reference_context} must be one of --context-lengths {contexts}")
 
     if args.add_overhead:
-        from dspark_jax.models.llama import LlamaModel
-        from dspark_jax.sps import load_sps_table
+        def overhead(table, weights, cfg):
+            from dspark_jax.models.llama import LlamaModel
 
-        table = load_sps_table(out)
-        cfg, weights, _ = load_target(args)
-        with jax.default_device(device):
-            target = LlamaModel(cfg, jax.device_put(weights, device))
             drafter = profiling.random_drafter(cfg, block=table.cost_model.block)
-            table = profiling.add_round_overhead(table, target, drafter, progress=True)
-        table.save(out)
-        cm = table.cost_model
-        for k, kind in enumerate(profiling.OVERHEAD_KINDS):
-            print(f"{kind} round overhead ms " + " ".join(f"R={r}:{1e3 * cm.overhead_s[k][i]:.1f}"
-                                                        for i, r in enumerate(cm.rows)))
-        print(f"wrote {out}")
-        return table
+            return profiling.add_round_overhead(table, LlamaModel(cfg, weights), drafter, progress=True)
+
+        return extend_table(args, device, out, overhead, lambda cm: [
+            f"{kind} round overhead ms " + " ".join(f"R={r}:{1e3 * cm.overhead_s[k][i]:.1f}" for i, r in enumerate(cm.rows))
+            for k, kind in enumerate(profiling.OVERHEAD_KINDS)])
 
     if args.add_plain:
-        from dspark_jax.sps import load_sps_table
+        def plain(table, weights, cfg):
+            return profiling.add_plain_rounds(table, weights, cfg, repeats=repeats, max_seconds=args.max_seconds,
+                                              progress=True)
 
-        table = load_sps_table(out)
-        cfg, weights, _ = load_target(args)
-        with jax.default_device(device):
-            table = profiling.add_plain_rounds(table, jax.device_put(weights, device), cfg, repeats=repeats,
-                                               max_seconds=args.max_seconds, progress=True)
-        table.save(out)
-        cm = table.cost_model
-        for c, L in enumerate(cm.context_lengths):
-            print(f"L={L}: plain round ms " + " ".join(f"R={r}:{1e3 * cm.plain_s[c][i]:.1f}"
-                                                     for i, r in enumerate(cm.rows)))
-        print(f"wrote {out}")
-        return table
+        return extend_table(args, device, out, plain, lambda cm: [
+            f"L={L}: plain round ms " + " ".join(f"R={r}:{1e3 * cm.plain_s[c][i]:.1f}" for i, r in enumerate(cm.rows))
+            for c, L in enumerate(cm.context_lengths)])
 
     cfg, weights, name = load_target(args)
     print(f"profiling {name} ({args.dtype}) on {device.platform} ({device.device_kind}): B up to {buckets[-1]}, "

@@ -529,3 +529,18 @@ def test_round_overhead_adds_to_its_kind_everywhere(tmp_path):
     assert slower.plain_step_time(1, 120) == pytest.approx(cm.plain_step_time(1, 120) - 1e-4)  # a correction
     with pytest.raises(ValueError, match=r"overhead_s must have 2 entries"):
         dataclasses.replace(cm, overhead_s=[over[0]], overhead_spread_s=[[0.0] * 3])
+
+
+def test_add_overhead_extends_a_table_in_place(tiny_profile, tmp_path):
+    """`--add-overhead` measures the engine-round overhead of an existing table at every row count and writes
+    the table back with it, the rest unchanged."""
+    table, out = tiny_profile
+    copy = tmp_path / "t.json"
+    copy.write_text(out.read_text())
+    back = profile_sps.main(["--tiny", "--add-overhead", "--out", str(copy)])
+    loaded = SPSTable.load(copy)
+    assert loaded == back and loaded.metadata.extra["round_overhead_date"] == datetime.date.today().isoformat()
+    cm = loaded.cost_model
+    assert len(cm.overhead_s) == 2 and all(len(k) == len(cm.rows) for k in cm.overhead_s)
+    assert dataclasses.replace(cm, overhead_s=None, overhead_spread_s=None) == dataclasses.replace(
+        table.cost_model, overhead_s=None, overhead_spread_s=None)
