@@ -46,7 +46,7 @@ from dspark_jax.models.drafter import (Drafter, DrafterConfig, draft, draft_head
                                        init_drafter_cache)
 from dspark_jax.models.llama import (BUCKETS, CONTEXT_STEP, LlamaConfig, LlamaWeights, bucket_for, forward_packed,
                                      init_cache)
-from dspark_jax.sps import CostModel, SPSMetadata, SPSPoint, SPSTable, realistic_rows, round_windows
+from dspark_jax.sps import OVERHEAD_KINDS, CostModel, SPSMetadata, SPSPoint, SPSTable, realistic_rows, round_windows
 from dspark_jax.timing import Timing, time_call
 
 __all__ = [
@@ -80,6 +80,9 @@ DEFAULT_MAX_TOKENS = 512
 # tokens (tests/test_assets.py checks it against the shipped config).
 SHIPPED_DRAFTER = dict(n_layers=2, ffn_dim=1536, rank=256, draft_vocab_size=8192)
 _KNOWN_BACKENDS = ("cpu", "gpu", "tpu")
+# What a table's simple points are (metadata).
+POINTS_NOTE = ("rounds/s = 1 / (draft(R) + verify(R, B) + overhead(drafting, R)) at the reference context, "
+               "R = realistic_rows(B)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -437,8 +440,7 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
         "cells": "diagonal" if diagonal else "all",
         "drafter": None if drafter is None else {k: v for k, v in drafter.cfg.to_dict().items()
                                                  if k in ("n_layers", "ffn_dim", "rank", "draft_vocab_size", "head")},
-        "points": "rounds/s = 1 / (draft(R) + verify(R, B) + overhead(drafting, R)) at the reference context, "
-                  "R = realistic_rows(B)",
+        "points": POINTS_NOTE,
     }
     if cost.overhead_s is not None:
         meta_extra["round_overhead_temperature"] = 0.0
@@ -480,9 +482,6 @@ def add_plain_rounds(table: SPSTable, weights: LlamaWeights, cfg: LlamaConfig, *
     meta = dataclasses.replace(table.metadata, extra={**table.metadata.extra,
                                                       "plain_rounds_date": datetime.date.today().isoformat()})
     return SPSTable(table.points, meta, cost)
-
-
-OVERHEAD_KINDS = ("drafting", "plain")
 
 
 def _forced_table(cost: CostModel, kind: str) -> SPSTable:
@@ -574,15 +573,14 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
         samples[(k, R)] = got
     overhead = [[0.0] * len(cost.rows) for _ in OVERHEAD_KINDS]
     spread = [[0.0] * len(cost.rows) for _ in OVERHEAD_KINDS]
-    verify, draft = base.filled_verify()[0], np.asarray(base.draft_s, np.float64)
-    fastest = ((verify.min(axis=2) + draft).min(axis=0), base.plain_grid().min(axis=0))  # [R] per kind
+    fastest = base.fastest_round_s()  # [2, R]
     for k in range(len(OVERHEAD_KINDS)):
         for i, r in enumerate(cost.rows):
             src = next((m for m in measure if m >= r), measure[-1])
             q1, med, q3 = np.percentile(samples[(k, src)], [25, 50, 75])
             # The correction holds at the measured context; at the shortest profiled one it may take at most
             # half of the fastest round of its kind away (a round is never free).
-            overhead[k][i], spread[k][i] = max(float(med), -0.5 * float(fastest[k][i])), float(q3 - q1) / 2
+            overhead[k][i], spread[k][i] = max(float(med), -0.5 * float(fastest[k, i])), float(q3 - q1) / 2
     return overhead, spread
 
 
@@ -597,7 +595,6 @@ def add_round_overhead(table: SPSTable, target, drafter: Drafter, *, progress: b
     cost = dataclasses.replace(cm, overhead_s=overhead, overhead_spread_s=spread)
     extra = {**table.metadata.extra, "round_overhead_date": datetime.date.today().isoformat(),
              "round_overhead_temperature": float(kw.get("temperature", 0.0)),
-             "points": "rounds/s = 1 / (draft(R) + verify(R, B) + overhead(drafting, R)) at the reference context, "
-                       "R = realistic_rows(B)"}
+             "points": POINTS_NOTE}
     meta = dataclasses.replace(table.metadata, extra=extra)
     return SPSTable(sps_points(cost, table.metadata.context_length), meta, cost)

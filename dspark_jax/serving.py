@@ -73,18 +73,17 @@ class LoadResult:
 
 
 class ClosedLoop:
-    """``concurrency`` users against ``engine``, each sending its next prompt (in order from ``first_prompt``,
-    cycling) as soon as its previous answer finished; :meth:`window` runs rounds and returns their stats.
+    """``concurrency`` users against ``engine``, each sending its next prompt (in order, cycling) as soon as
+    its previous answer finished; :meth:`window` runs rounds and returns their stats.
     Several loops can take turns (the interleaved serving benchmark): each keeps its engine's state."""
 
-    def __init__(self, engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int, max_new_tokens: int, *,
-                 first_prompt: int = 0):
+    def __init__(self, engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int, max_new_tokens: int):
         if concurrency > engine.cfg.num_slots:
             raise ValueError(f"concurrency {concurrency} exceeds the engine's {engine.cfg.num_slots} slots")
         if not prompts:
             raise ValueError("prompts: expected at least one prompt")
         self.engine, self.prompts, self.concurrency, self.max_new_tokens = engine, prompts, concurrency, max_new_tokens
-        self._next = first_prompt % len(prompts)
+        self._next = 0
         self.submitted = 0
 
     def _top_up(self) -> None:

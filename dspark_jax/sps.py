@@ -59,6 +59,7 @@ __all__ = [
     "SPSTable",
     "CostModel",
     "CostArrays",
+    "OVERHEAD_KINDS",
     "INTERPOLATIONS",
     "DEFAULT_TABLE",
     "atomic_write_text",
@@ -239,6 +240,10 @@ def _window_mix(xp, windows, per_ctx, w):
     return t0 + inside * (t1 - t0) + beyond * xp.maximum(t1 - t0, 0.0)
 
 
+# The two kinds of round the cost model's overhead_s distinguishes, in its order.
+OVERHEAD_KINDS = ("drafting", "plain")
+
+
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     """Measured seconds per round on a grid: context length x rows x verification tokens.
@@ -279,7 +284,7 @@ class CostModel:
     # runs it when a round schedules nothing: [C][R] seconds, or None (then read from verify_s at B = rows).
     plain_s: tuple | None = None
     plain_spread_s: tuple | None = None
-    # Seconds an engine round takes beyond the profiled programs: [2][R] (drafting round, plain round).
+    # Seconds an engine round takes beyond the profiled programs: [2][R] over OVERHEAD_KINDS.
     overhead_s: tuple | None = None
     overhead_spread_s: tuple | None = None
 
@@ -337,7 +342,7 @@ class CostModel:
         if self.overhead_s is not None:
             self._check_shape("overhead_s", self.overhead_s, (2, R))
             self._check_shape("overhead_spread_s", self.overhead_spread_s, (2, R))
-            for k, kind in enumerate(("drafting", "plain")):
+            for k, kind in enumerate(OVERHEAD_KINDS):
                 for r in range(R):
                     v, vs = self.overhead_s[k][r], self.overhead_spread_s[k][r]
                     if not _finite(v) or not _finite(vs) or vs < 0:
@@ -367,15 +372,13 @@ class CostModel:
                     f"is where missing cells are filled from"
                 )
         if self.overhead_s is not None:  # a negative correction may not make any round free
-            verify = self.filled_verify()[0]
-            draft, plain = np.asarray(self.draft_s, np.float64), self.plain_grid()
-            for k, kind, fastest in ((0, "drafting", (verify.min(axis=2) + draft).min(axis=0)),
-                                     (1, "plain", plain.min(axis=0))):
+            fastest = self.fastest_round_s()
+            for k, kind in enumerate(OVERHEAD_KINDS):
                 for r in range(R):
-                    if not fastest[r] + self.overhead_s[k][r] > 0:
+                    if not fastest[k, r] + self.overhead_s[k][r] > 0:
                         raise ValueError(f"cost model: overhead_s[{k}][{r}] ({kind} round, rows {self.rows[r]}) = "
                                          f"{self.overhead_s[k][r]!r} makes a round free: the fastest {kind} round at "
-                                         f"this row count takes {fastest[r]!r} s before it")
+                                         f"this row count takes {fastest[k, r]!r} s before it")
 
     @staticmethod
     def _check_shape(name, value, shape, prefix=""):
@@ -431,6 +434,12 @@ class CostModel:
         grid = self.verify_grid("linear")
         return np.stack([[grid[c, r, min(rows, self.max_tokens)] for r, rows in enumerate(self.rows)]
                          for c in range(grid.shape[0])])
+
+    def fastest_round_s(self) -> np.ndarray:
+        """The fastest modeled round of each kind at each row count, over every context and batch, before any
+        overhead: float64 [2, R] (drafting round: draft + verification, plain round)."""
+        verify, draft = self.filled_verify()[0], np.asarray(self.draft_s, np.float64)
+        return np.stack([(verify.min(axis=2) + draft).min(axis=0), self.plain_grid().min(axis=0)])
 
     def overhead_grid(self) -> np.ndarray:
         """Seconds an engine round takes beyond the profiled programs: float64 [2, R] (drafting round, plain
