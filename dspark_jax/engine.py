@@ -49,6 +49,7 @@ from dspark_jax.sps import SPSTable, context_window, default_sps_table, plain_sp
 from dspark_jax.timing import compile_count
 from dspark_jax.models import drafter as dr
 from dspark_jax.models.llama import (
+    BUCKETS,
     CONTEXT_STEP,
     LlamaModel,
     bucket_for,
@@ -138,6 +139,10 @@ class EngineConfig:
     # way; with it, which rounds draft depends on timings, so sampled tokens (not their law) can differ
     # between runs of the same seed.
     calibrate_times: bool = False
+    # The dspark policies: extend each round's schedule with the next-ranked drafts up to the padded batch
+    # the verification runs anyway (`scheduler.fill_to_bucket`, lossless), and let the drafter gate price a
+    # round at the padded batch it pays for, with the filled schedule's expected tokens.
+    fill_buckets: bool = True
     # Attention windows over the caches: "step" = multiples of 128 (reads little beyond the context held),
     # "pow2" = powers of two (fewer shapes to compile). SPS cost models record the rule they were profiled with.
     window_rule: str = "step"
@@ -413,7 +418,8 @@ class Engine:
                                             self.head_w, self.temps, self.sps, self.cost, scale, temp,
                                             seed=self.cfg.seed, capacity=cap, R=R, policy=self.policy,
                                             greedy=self.greedy, probe_every=self.cfg.gate_probe_every,
-                                            probe_budget=self.cfg.gate_probe_budget, context=w)
+                                            probe_budget=self.cfg.gate_probe_budget, context=w,
+                                            fill=self.cfg.fill_buckets)
             else:
                 d = None
             conf, drafted_arr = self._round_conf(d, R)
@@ -432,7 +438,8 @@ class Engine:
                     shapes += 1
             if self.cost is not None:
                 _after_round(self.cost, scale, self.state, jnp.int32(R), jnp.int32(0), jnp.int32(R), drafted_arr, R=R,
-                             probe_every=self._gate_probe, probe_budget=self.cfg.gate_probe_budget)
+                             probe_every=self._gate_probe, probe_budget=self.cfg.gate_probe_budget,
+                             fill=self.cfg.fill_buckets)
             if R >= S:
                 break
             R = min(2 * R, S)
@@ -471,7 +478,8 @@ class Engine:
                                     self.temps, self.sps, self.cost, scale, temp, seed=self.cfg.seed,
                                     capacity=self.cfg.capacity, R=R, policy=self.policy, greedy=self.greedy,
                                     probe_every=self.cfg.gate_probe_every, probe_budget=self.cfg.gate_probe_budget,
-                                    context=_window(longest, self.cfg.capacity, self.cfg.window_rule))
+                                    context=_window(longest, self.cfg.capacity, self.cfg.window_rule),
+                                    fill=self.cfg.fill_buckets)
             B = int(d.batch_tokens)  # the one value the host needs: it picks the token bucket
         else:
             d, B = None, n
@@ -487,7 +495,7 @@ class Engine:
         if self.cost is not None:
             after = _after_round(self.cost, scale, self.state, jnp.int32(n), jnp.int32(longest), jnp.int32(B),
                                  drafted_arr, R=R, probe_every=self._gate_probe,
-                                 probe_budget=self.cfg.gate_probe_budget)
+                                 probe_budget=self.cfg.gate_probe_budget, fill=self.cfg.fill_buckets)
         (emitted, counts, finished, accepted, new_len), (predicted, next_gate) = jax.device_get((out, after))
         self._gate_closed = not bool(next_gate)
         drafted = bool(d.drafted) if d is not None else False
@@ -650,9 +658,15 @@ def _policy_lengths(policy: Policy, conf, hist, sps, row_valid, G):
     raise ValueError(f"policy {policy} does not draft")
 
 
-@functools.partial(jax.jit, static_argnames=("R", "probe_every", "probe_budget"))
+def _padded(batch):
+    """The bucket the engine pads a batch of ``batch`` tokens to (``llama.bucket_for`` inside ``jit``)."""
+    buckets = jnp.asarray(BUCKETS, jnp.int32)
+    return buckets[jnp.clip(jnp.searchsorted(buckets, batch, side="left"), 0, len(BUCKETS) - 1)]
+
+
+@functools.partial(jax.jit, static_argnames=("R", "probe_every", "probe_budget", "fill"))
 def _after_round(cost, time_scale, state: EngineState, n_active, longest, batch_tokens, drafted, *,
-                 R: int, probe_every: int, probe_budget: float):
+                 R: int, probe_every: int, probe_budget: float, fill: bool = True):
     """After a round, on the committed state: the cost model's time for the round that just ran (drafting
     or plain, with ``n_active`` requests whose longest held ``longest`` tokens; the host compares it with the
     measured time) and the drafter gate of the next round for
@@ -660,19 +674,22 @@ def _after_round(cost, time_scale, state: EngineState, n_active, longest, batch_
     kept out of the verify programs, which compile once per (R, T, window)."""
     n_active = jnp.maximum(n_active, 1)
     sps = sps_from_cost(cost, n_active, longest)
-    predicted = jnp.where(drafted, 1.0 / sps[jnp.clip(batch_tokens, 0, sps.shape[0] - 1)],
+    predicted = jnp.where(drafted, 1.0 / sps[jnp.clip(_padded(batch_tokens), 0, sps.shape[0] - 1)],
                           1.0 / plain_sps_from_cost(cost, n_active, longest)).astype(jnp.float32)
     gate = jnp.bool_(True)
     if probe_every > 0:
-        gate, _ = _drafting_pays(cost, state, *_device_rows(state.active, R), time_scale, probe_every, probe_budget)
+        gate, _ = _drafting_pays(cost, state, *_device_rows(state.active, R), time_scale, probe_every, probe_budget,
+                                 fill)
     return predicted, gate
 
 
-def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_every: int, probe_budget: float):
+def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_every: int, probe_budget: float,
+                   fill: bool):
     """The drafter gate: expected tokens/s of the schedule on each request's average confidences over its
     earlier drafted rounds (known before this round's drafts exist, so the decision cannot bias them), with
     the drafter's cost, against plain decoding without it; or a probe after ``probe_every`` skipped rounds,
-    and at least as many as keep a probe's extra cost below ``probe_budget`` of the time.
+    and at least as many as keep a probe's extra cost below ``probe_budget`` of the time. The drafting
+    round is priced at the padded batch the engine would run (with ``fill``, the schedule filled to it).
     Round times are the cost model's, times the engine's measured corrections ``time_scale`` [2] (drafting
     round, plain round). Returns the decision and the cost model's steps/s curve [N] for the rows' requests
     and longest context (what the schedule reads)."""
@@ -681,17 +698,23 @@ def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_
     sps = sps_from_cost(cost, jnp.maximum(n_active, 1), longest)
     plain_round = time_scale[1] / plain_sps_from_cost(cost, jnp.maximum(n_active, 1), longest)  # seconds
     plain = n_active.astype(jnp.float32) / plain_round
-    expected = scheduler.schedule(state.conf_ema[rows], sps, active=row_valid).throughput / time_scale[0]
+    conf = state.conf_ema[rows]
+    lengths = scheduler.schedule(conf, sps, active=row_valid).lengths
+    if fill:
+        lengths = scheduler.fill_to_bucket(conf, lengths, jnp.asarray(BUCKETS, jnp.int32), active=row_valid)
+    padded = _padded(n_active + jnp.sum(lengths))
+    rate = sps[jnp.clip(padded, 0, sps.shape[0] - 1)]
+    expected = scheduler.expected_tokens(conf, lengths, active=row_valid) * rate / time_scale[0]
     probe_round = time_scale[0] / sps[jnp.clip(n_active, 0, sps.shape[0] - 1)]  # drafts, verifies none
     wait = jnp.ceil((probe_round - plain_round) / (probe_budget * plain_round))
     return (expected > plain) | (state.skipped >= jnp.maximum(probe_every, wait)), sps
 
 
 @functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity", "probe_every",
-                                             "probe_budget"))
+                                             "probe_budget", "fill"))
 def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, time_scale, temperature, *,
                         seed: int, capacity: int, R: int, policy: Policy, greedy: bool, context: int,
-                        probe_every: int = 32, probe_budget: float = 0.02) -> DraftOut:
+                        probe_every: int = 32, probe_budget: float = 0.02, fill: bool = True) -> DraftOut:
     """Draft a block for the first R rows, compute calibrated confidences, apply the policy.
 
     With a cost model, the ``dspark`` policies first decide whether drafting pays at all this round: the
@@ -708,7 +731,7 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     ctx_len = state.cache.lengths[rows]
     gate = jnp.bool_(True)
     if cost is not None:  # (dspark policies) this round's curve: draft(R, L) + verify(R, B, L), and the gate
-        gate, sps = _drafting_pays(cost, state, rows, row_valid, time_scale, probe_every, probe_budget)
+        gate, sps = _drafting_pays(cost, state, rows, row_valid, time_scale, probe_every, probe_budget, fill)
 
     def run_drafter():
         keys = _key(seed, 1, state.request[rows], ctx_len)
@@ -723,6 +746,8 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     conf = calibration.apply_sts(conf_logits, temps)  # [R, G]
     hist = state.conf_hist[1][rows]
     lengths = jnp.where(row_valid & gate, _policy_lengths(policy, conf, hist, sps, row_valid, G), 0)
+    if fill and policy.kind in ("dspark", "dspark-async"):  # the padded batch's free room (lossless)
+        lengths = scheduler.fill_to_bucket(conf, lengths, jnp.asarray(BUCKETS, jnp.int32), active=row_valid & gate)
     # Caps that never look at the drafts: the request's remaining budget and the slot's capacity.
     remaining = state.max_new[rows] - state.generated[rows]
     lengths = jnp.clip(lengths, 0, jnp.minimum(remaining - 1, capacity - ctx_len - 1))

@@ -15,7 +15,8 @@ Both are measured as the engine runs them, on the backend JAX selects (or the on
 A whole engine round costs more than these two programs: the host's share (admission, emission, the
 transfers), the engine's small bookkeeping programs and the drafter's context write. That remainder is
 measured last by running the engine itself at every row count, for drafting and for plain rounds
-(:func:`profile_round_overhead`), and stored as the cost model's ``overhead_s``.
+(:func:`profile_round_overhead`), and stored as the cost model's ``overhead_s`` (drafting rounds also by
+the padded batch they verify, ``draft_overhead_s``).
 
 Every measurement warms up (compilation excluded), blocks until ready, repeats and keeps the median and
 the spread (``timing.time_call``). Cache contents are zeros: no operation's cost depends on the values.
@@ -81,7 +82,7 @@ DEFAULT_MAX_TOKENS = 512
 SHIPPED_DRAFTER = dict(n_layers=2, ffn_dim=1536, rank=256, draft_vocab_size=8192)
 _KNOWN_BACKENDS = ("cpu", "gpu", "tpu")
 # What a table's simple points are (metadata).
-POINTS_NOTE = ("rounds/s = 1 / (draft(R) + verify(R, B) + overhead(drafting, R)) at the reference context, "
+POINTS_NOTE = ("rounds/s = 1 / (draft(R) + verify(R, B) + overhead(drafting, R, B)) at the reference context, "
                "R = realistic_rows(B)")
 
 
@@ -423,9 +424,8 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
             from dspark_jax.models.llama import LlamaModel
 
             measure = cost.rows if overhead_row_count is None else cost.rows[:max(1, overhead_row_count)]
-            overhead, spread = profile_round_overhead(LlamaModel(cfg, weights), drafter, cost, rows=measure,
-                                                      progress=progress)
-            cost = dataclasses.replace(cost, overhead_s=overhead, overhead_spread_s=spread)
+            cost = dataclasses.replace(cost, **profile_round_overhead(LlamaModel(cfg, weights), drafter, cost,
+                                                                      rows=measure, progress=progress))
     meta_extra = {
         "jax_version": jax.__version__,
         "host": f"{platform.machine()} {os.cpu_count()} cores",
@@ -484,48 +484,63 @@ def add_plain_rounds(table: SPSTable, weights: LlamaWeights, cfg: LlamaConfig, *
     return SPSTable(table.points, meta, cost)
 
 
-def _forced_table(cost: CostModel, kind: str) -> SPSTable:
-    """A table under which the dspark engine drafts every round (``kind="drafting"``: verification flat,
-    plain rounds priced out, so every row schedules its whole block) or never runs the drafter after its
-    first round (``"plain"``: the drafter priced out). Only :func:`profile_round_overhead` uses it."""
+def _forced_table(cost: CostModel, kind: str, tokens: int | None = None) -> SPSTable:
+    """A table under which the dspark engine drafts every round (``kind="drafting"``: verification flat up
+    to ``tokens`` batch tokens (default: every batch) and priced out beyond, plain rounds priced out, so each
+    round fills that batch) or never runs the drafter after its first round (``"plain"``: the drafter priced
+    out). Only :func:`profile_round_overhead` uses it."""
     C, R = len(cost.context_lengths), len(cost.rows)
     slow = [[1e3] * R for _ in range(C)]
     zeros = [[0.0] * R for _ in range(C)]
+    none = dict(overhead_s=None, overhead_spread_s=None, draft_overhead_s=None, draft_overhead_spread_s=None)
     if kind == "drafting":
         flat = float(np.nanmin(cost.filled_verify()[0]))
-        verify = [[[None if v is None else flat for v in row] for row in ctx] for ctx in cost.verify_s]
-        forced = dataclasses.replace(cost, verify_s=verify, plain_s=slow, plain_spread_s=zeros, overhead_s=None,
-                                     overhead_spread_s=None)
+        limit = cost.max_tokens if tokens is None else int(tokens)
+        price = [flat if b <= limit else 1e3 for b in cost.batch_tokens]
+        verify = [[[None if v is None else price[t] for t, v in enumerate(row)] for row in ctx]
+                  for ctx in cost.verify_s]
+        forced = dataclasses.replace(cost, verify_s=verify, plain_s=slow, plain_spread_s=zeros, **none)
     else:
-        forced = dataclasses.replace(cost, draft_s=slow, overhead_s=None, overhead_spread_s=None)
+        forced = dataclasses.replace(cost, draft_s=slow, **none)
     return SPSTable(sps_points(forced, forced.context_lengths[0]), cost_model=forced)
+
+
+def overhead_batches(cost: CostModel, rows: int) -> tuple[int, ...]:
+    """The padded batches a drafting round of ``rows`` requests can verify: the buckets above ``rows`` up to
+    the one that holds every row's whole block (``rows * (G + 1)``), within the profile."""
+    full = bucket_for(min(rows * (cost.block + 1), cost.max_tokens))
+    return tuple(b for b in cost.batch_tokens if rows < b <= full)
 
 
 def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: Sequence[int] | None = None,
                            context: int | None = None, rounds: int = 12, warmup: int = 2, temperature: float = 0.0,
-                           progress: bool = False) -> tuple[list[list[float]], list[list[float]]]:
+                           progress: bool = False) -> dict[str, list]:
     """What a whole engine round costs beyond the profiled programs, at each row count of ``cost``.
 
-    For every row count R (default: all of ``cost.rows``) and each kind of round, an engine with the
-    ``dspark`` policy serves R requests of ``context`` random prompt tokens (default: the second smallest
-    profiled context plus 10 tokens, in the next window, so the windows stay put while it runs): a drafting
-    kind where every row verifies its whole block, and a plain kind where the engine skips the drafter.
-    Each round's measured wall time minus the cost model's time for the same round (:meth:`CostModel.step_times`
-    at its batch, :meth:`CostModel.plain_step_time`) is one sample; rounds that compiled are left out.
+    For every row count R (default: all of ``cost.rows``) an engine with the ``dspark`` policy serves R
+    requests of ``context`` random prompt tokens (default: the second smallest profiled context plus 10
+    tokens, in the next window, so the windows stay put while it runs): for each padded batch a drafting
+    round can verify (:func:`overhead_batches`: ``2R, 4R, 8R`` for G = 7), a drafting kind forced to fill
+    that batch every round, and a plain kind where the engine skips the drafter. Each round's measured wall
+    time minus the cost model's time for the same round (:meth:`CostModel.step_times` at its padded batch,
+    :meth:`CostModel.plain_step_time`) is one sample; rounds that compiled are left out.
 
     Args:
       target: a ``LlamaModel`` (the weights' device is where it runs).
       drafter: a drafter of the profiled shape (random weights cost the same).
       cost: the measured cost model (any overhead it already has is ignored).
-      rounds: timed rounds per (kind, R) after ``warmup`` rounds.
+      rounds: timed rounds per (kind, R, batch) after ``warmup`` rounds.
       temperature: the engine's sampling temperature (0: greedy).
 
     Returns:
-      ``(overhead_s, overhead_spread_s)``, each ``[2][R]`` over (drafting, plain) x ``cost.rows``: the median
-      of the samples and half their interquartile range, in seconds. A negative median means the isolated
-      programs measured slower than the same work inside the engine; it is kept (a correction either way),
-      down to half the fastest profiled round of its kind at that row count. Row counts not in
-      ``rows`` take the value of the next measured one (the last measured for larger).
+      The cost model's overhead fields: ``overhead_s`` and ``overhead_spread_s``, ``[2][R]`` over
+      (drafting at the full block, plain) x ``cost.rows``, and ``draft_overhead_s`` and
+      ``draft_overhead_spread_s``, ``[R][T]`` over ``cost.rows`` x ``cost.batch_tokens`` (None where not
+      measured): the median of the samples and half their interquartile range, in seconds. A negative
+      median means the isolated programs measured slower than the same work inside the engine; it is kept
+      (a correction either way), down to half the fastest profiled round of its kind at that row count (and
+      batch). Row counts not in ``rows`` take the values of the next measured one (the last measured for
+      larger), at the batches they can verify.
     """
     from dspark_jax.engine import Engine, EngineConfig
 
@@ -533,7 +548,8 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
         raise ValueError(f"rounds >= 1 and warmup >= 0 expected, got {rounds} and {warmup}")
     if drafter.cfg.block != cost.block:
         raise ValueError(f"drafter block {drafter.cfg.block} differs from the cost model's block {cost.block}")
-    base = dataclasses.replace(cost, overhead_s=None, overhead_spread_s=None)
+    base = dataclasses.replace(cost, overhead_s=None, overhead_spread_s=None, draft_overhead_s=None,
+                               draft_overhead_spread_s=None)
     measure = tuple(sorted(set(cost.rows if rows is None else (int(r) for r in rows))))
     if not measure or any(r not in cost.rows for r in measure):
         raise ValueError(f"rows {list(measure)} must be among the cost model's rows {list(cost.rows)}")
@@ -545,43 +561,63 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
     capacity = -(-(context + max_new + G + 2) // CONTEXT_STEP) * CONTEXT_STEP
     vocab = target.cfg.vocab_size
     rng = np.random.default_rng(0)
-    samples: dict[tuple[int, int], list[float]] = {}
-    jobs = [(k, r) for r in measure for k in range(len(OVERHEAD_KINDS))]
-    for k, R in tqdm(jobs, disable=not progress, desc="round overhead", unit="cell"):
-        kind = OVERHEAD_KINDS[k]
+    samples: dict[tuple[int, int], list[float]] = {}  # (R, padded batch; 0 = plain round) -> seconds
+    jobs = [(R, b) for R in measure for b in (0, *overhead_batches(cost, R))]
+    for R, batch in tqdm(jobs, disable=not progress, desc="round overhead", unit="cell"):
+        kind = "drafting" if batch else "plain"
         engine = Engine(target, drafter, "dspark",
                         EngineConfig(num_slots=S, capacity=capacity, temperature=temperature,
                                      window_rule=cost.window_rule, gate_probe_every=10**9),
-                        sps=_forced_table(base, kind), stop_ids=())
+                        sps=_forced_table(base, kind, batch or None), stop_ids=())
         for _ in range(R):
             engine.submit(rng.integers(0, vocab, context).tolist(), max_new)
-        got: list[float] = []
         for i in range(attempts):
             st = engine.step()
-            if st is None or len(got) == rounds:
+            if st is None or len(samples.get((R, batch), ())) >= rounds:
                 break
-            if i < warmup or st.compiled or st.drafted != (kind == "drafting"):
+            if i < warmup or st.compiled or st.drafted != bool(batch):
                 continue
-            if kind == "drafting":
-                predicted = float(base.step_times(st.active, st.context)[st.batch_tokens])
+            if batch:
+                padded = bucket_for(st.batch_tokens)
+                predicted = float(base.step_times(st.active, st.context)[padded])
             else:
-                predicted = base.plain_step_time(st.active, st.context)
-            got.append(st.seconds - predicted)
+                padded, predicted = 0, base.plain_step_time(st.active, st.context)
+            samples.setdefault((R, padded), []).append(st.seconds - predicted)
         del engine
-        if not got:
-            raise RuntimeError(f"round overhead: no steady {kind} round at R={R} in {attempts} rounds")
-        samples[(k, R)] = got
-    overhead = [[0.0] * len(cost.rows) for _ in OVERHEAD_KINDS]
-    spread = [[0.0] * len(cost.rows) for _ in OVERHEAD_KINDS]
+        if not samples.get((R, batch)):
+            raise RuntimeError(f"round overhead: no steady {kind} round at R={R}"
+                               + (f", B={batch}" if batch else "") + f" in {attempts} rounds")
     fastest = base.fastest_round_s()  # [2, R]
-    for k in range(len(OVERHEAD_KINDS)):
-        for i, r in enumerate(cost.rows):
-            src = next((m for m in measure if m >= r), measure[-1])
-            q1, med, q3 = np.percentile(samples[(k, src)], [25, 50, 75])
-            # The correction holds at the measured context; at the shortest profiled one it may take at most
-            # half of the fastest round of its kind away (a round is never free).
-            overhead[k][i], spread[k][i] = max(float(med), -0.5 * float(fastest[k, i])), float(q3 - q1) / 2
-    return overhead, spread
+    floor = base.drafting_rounds_s().min(axis=0)  # [R, T]
+    Rn, T = len(cost.rows), len(cost.batch_tokens)
+    overhead, spread = [[0.0] * Rn for _ in OVERHEAD_KINDS], [[0.0] * Rn for _ in OVERHEAD_KINDS]
+    by_batch = [[None] * T for _ in range(Rn)]
+    by_batch_spread = [[None] * T for _ in range(Rn)]
+
+    def stats(xs, lowest):
+        q1, med, q3 = np.percentile(xs, [25, 50, 75])
+        # The correction holds at the measured context; at the shortest profiled one it may take at most half
+        # of the fastest round of its kind away (a round is never free).
+        return max(float(med), -0.5 * float(lowest)), float(q3 - q1) / 2
+
+    for i, r in enumerate(cost.rows):
+        src = next((m for m in measure if m >= r), measure[-1])
+        overhead[1][i], spread[1][i] = stats(samples[(src, 0)], fastest[1, i])
+        measured = sorted(b for (m, b) in samples if m == src and b)
+        mine = overhead_batches(cost, r)
+        for t, b in enumerate(cost.batch_tokens):
+            if b not in mine:
+                continue
+            want = b * src // r  # the same drafts per row at the source row count
+            at = next((x for x in measured if x >= want), measured[-1])
+            by_batch[i][t], by_batch_spread[i][t] = stats(samples[(src, at)], floor[i, t])
+        full = max(t for t, b in enumerate(cost.batch_tokens) if b in mine) if mine else None
+        if full is not None:
+            overhead[0][i], spread[0][i] = by_batch[i][full], by_batch_spread[i][full]
+        else:  # no drafting round fits this row count in the profile
+            overhead[0][i], spread[0][i] = stats(samples[(src, measured[-1])], fastest[0, i])
+    return dict(overhead_s=overhead, overhead_spread_s=spread, draft_overhead_s=by_batch,
+                draft_overhead_spread_s=by_batch_spread)
 
 
 def add_round_overhead(table: SPSTable, target, drafter: Drafter, *, progress: bool = False,
@@ -591,8 +627,7 @@ def add_round_overhead(table: SPSTable, target, drafter: Drafter, *, progress: b
     cm = table.cost_model
     if cm is None:
         raise ValueError("add_round_overhead: the table has no cost model to extend")
-    overhead, spread = profile_round_overhead(target, drafter, cm, progress=progress, **kw)
-    cost = dataclasses.replace(cm, overhead_s=overhead, overhead_spread_s=spread)
+    cost = dataclasses.replace(cm, **profile_round_overhead(target, drafter, cm, progress=progress, **kw))
     extra = {**table.metadata.extra, "round_overhead_date": datetime.date.today().isoformat(),
              "round_overhead_temperature": float(kw.get("temperature", 0.0)),
              "points": POINTS_NOTE}

@@ -50,6 +50,8 @@ __all__ = [
     "schedule",
     "capacity",
     "top_k_lengths",
+    "fill_to_bucket",
+    "expected_tokens",
     "check_inputs",
     "schedule_checked",
     "algorithm1_loop",
@@ -330,6 +332,60 @@ def top_k_lengths(confidences: jax.Array, k: jax.Array, *, active: jax.Array | N
         return lax.cond(decided, lambda: out, lambda: stage(i + 1))
 
     return stage(0)
+
+
+@jax.jit
+def fill_to_bucket(confidences: jax.Array, lengths: jax.Array, buckets: jax.Array, *,
+                   active: jax.Array | None = None) -> jax.Array:
+    """Extend a schedule to the padded batch the engine verifies anyway.
+
+    An engine that pads the batch ``B = R_active + sum(lengths)`` to the next bucket ``T >= B`` pays for
+    ``T`` tokens whatever it puts there; this admits the next candidates of the same ranking (survival
+    descending, ties row-major) until the batch holds ``T`` tokens or no candidate with positive survival
+    is left. A schedule that verifies no draft stays empty (that round runs without drafts).
+
+    Lossless when ``lengths`` admits a prefix of the ranking chosen from the candidates ranked at or above
+    its last admitted one (Algorithm 1's first drop, or a top-K with K known before the drafts): then ``T``
+    depends only on them, and a candidate the fill admits is ranked below them and is admitted by its rank
+    alone. The draft ``(r, k + 1)``, whose survival may depend on ``x[r, k]``, ranks below ``(r, k)``, so
+    the admission of ``x[r, k]`` still never looks at ``x[r, k]``.
+
+    Args:
+      confidences: float [R, G] in [0, 1], the ones ``lengths`` was scheduled from.
+      lengths: int [R], a prefix of the ranking (e.g. :func:`schedule`'s).
+      buckets: int [U], the engine's padded batch sizes, increasing; a batch beyond the last is left as is.
+      active: optional bool [R].
+
+    Returns:
+      int32 [R] lengths, each ``>=`` the given one.
+
+    >>> conf = jnp.array([[0.9, 0.5], [0.8, 0.1]])  # survival [[0.9, 0.45], [0.8, 0.08]]
+    >>> fill_to_bucket(conf, jnp.array([1, 0]), jnp.array([1, 2, 4, 8])).tolist()  # B = 3 -> 4
+    [1, 1]
+    >>> fill_to_bucket(conf, jnp.array([1, 1]), jnp.array([1, 2, 4, 8])).tolist()  # B = 4 stays
+    [1, 1]
+    >>> fill_to_bucket(conf, jnp.array([2, 1]), jnp.array([1, 2, 4, 8])).tolist()  # B = 5 -> 8: all
+    [2, 2]
+    """
+    lengths = jnp.asarray(lengths, jnp.int32)
+    r_act = _active_count(active, confidences.shape[0])
+    drafts = jnp.sum(jnp.where(active, lengths, 0) if active is not None else lengths, dtype=jnp.int32)
+    buckets = jnp.asarray(buckets, jnp.int32)
+    batch = r_act + drafts
+    at = jnp.searchsorted(buckets, batch, side="left")
+    padded = jnp.where(at < buckets.shape[0], buckets[jnp.clip(at, 0, buckets.shape[0] - 1)], batch)
+    k = jnp.where(drafts > 0, padded - r_act, 0)
+    return jnp.maximum(lengths, top_k_lengths(confidences, k, active=active))
+
+
+@jax.jit
+def expected_tokens(confidences: jax.Array, lengths: jax.Array, *, active: jax.Array | None = None) -> jax.Array:
+    """Expected tokens a round emits when row ``r`` verifies ``lengths[r]`` drafts: ``R_active + sum_r
+    sum_{j <= l_r} a[r, j]`` (float32 [])."""
+    a = survival_probs(confidences, active=active)
+    j = lax.broadcasted_iota(jnp.int32, a.shape, 1)
+    taken = jnp.sum(jnp.where(j < jnp.asarray(lengths, jnp.int32)[:, None], a, 0.0))
+    return (_active_count(active, confidences.shape[0]).astype(jnp.float32) + taken).astype(jnp.float32)
 
 
 def check_inputs(confidences, sps, *, active=None) -> None:

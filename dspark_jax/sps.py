@@ -18,7 +18,7 @@ The dense table ends at the largest measured batch: larger batches are infeasibl
 The points are the simple case, one curve ``SPS(B)``. A table may also hold a :class:`CostModel`, the
 cost of a whole round measured on a grid (spec section 3, "Cost model")::
 
-    step_time(R, B, L) = draft(R, Wd(L)) + verify(R, bucket(B), Wv(L)) + overhead(drafting, R)
+    step_time(R, B, L) = draft(R, Wd(L)) + verify(R, bucket(B), Wv(L)) + overhead(drafting, R, B)
     plain_time(R, L) = plain(R, Wv(L)) + overhead(plain, R)      (a round without the drafter)
 
 with ``R`` the active requests (charged at the smallest measured row count ``>= R``, the engine's row
@@ -265,6 +265,11 @@ class CostModel:
     beyond those programs, for a drafting round (``k = 0``) and a plain round (``k = 1``): the host's share
     of the round, the engine's bookkeeping programs and the drafter's context write, measured by running
     the engine (``profiling.profile_round_overhead``); it is added to every round time of its kind.
+    ``draft_overhead_s[r][t]`` (optional, needs ``overhead_s``) refines the drafting round's overhead by
+    the padded batch ``batch_tokens[t]`` it verified (``None``: not measured): what the engine adds beyond
+    the programs depends on the batch, and a correction measured at full blocks misprices a round that
+    verifies a few drafts. Missing cells are filled from the next measured batch of the row, else the
+    largest measured one, else ``overhead_s[0][r]``; between batches it is interpolated like ``verify_s``.
     Spreads are half the interquartile range of the repeats, in seconds.
     """
 
@@ -287,11 +292,16 @@ class CostModel:
     # Seconds an engine round takes beyond the profiled programs: [2][R] over OVERHEAD_KINDS.
     overhead_s: tuple | None = None
     overhead_spread_s: tuple | None = None
+    # The drafting round's overhead by padded batch: [R][T] seconds or None (not measured); needs overhead_s.
+    draft_overhead_s: tuple | None = None
+    draft_overhead_spread_s: tuple | None = None
 
     _DEPTHS = {"context_lengths": 1, "windows": 1, "draft_windows": 1, "rows": 1, "batch_tokens": 1,
                "verify_s": 3, "verify_spread_s": 3, "draft_s": 2, "draft_spread_s": 2, "plain_s": 2,
-               "plain_spread_s": 2, "overhead_s": 2, "overhead_spread_s": 2}
-    _OPTIONAL = ("plain_s", "plain_spread_s", "overhead_s", "overhead_spread_s")
+               "plain_spread_s": 2, "overhead_s": 2, "overhead_spread_s": 2, "draft_overhead_s": 2,
+               "draft_overhead_spread_s": 2}
+    _OPTIONAL = ("plain_s", "plain_spread_s", "overhead_s", "overhead_spread_s", "draft_overhead_s",
+                 "draft_overhead_spread_s")
 
     def __post_init__(self):
         for name, depth in self._DEPTHS.items():
@@ -348,6 +358,23 @@ class CostModel:
                     if not _finite(v) or not _finite(vs) or vs < 0:
                         raise ValueError(f"cost model: overhead_s[{k}][{r}] ({kind} round, rows {self.rows[r]}) must be "
                                          f"finite with a finite spread >= 0, got {v!r} and {vs!r}")
+        if (self.draft_overhead_s is None) != (self.draft_overhead_spread_s is None):
+            raise ValueError("cost model: draft_overhead_s and draft_overhead_spread_s must be given together")
+        if self.draft_overhead_s is not None:
+            if self.overhead_s is None:
+                raise ValueError("cost model: draft_overhead_s refines overhead_s, which is missing")
+            self._check_shape("draft_overhead_s", self.draft_overhead_s, (R, T))
+            self._check_shape("draft_overhead_spread_s", self.draft_overhead_spread_s, (R, T))
+            for r in range(R):
+                for t in range(T):
+                    v, vs = self.draft_overhead_s[r][t], self.draft_overhead_spread_s[r][t]
+                    at = f"draft_overhead_s[{r}][{t}] (rows {self.rows[r]}, B {self.batch_tokens[t]})"
+                    if (v is None) != (vs is None):
+                        raise ValueError(f"cost model: {at} and its spread must be measured together, got {v!r} "
+                                         f"and {vs!r}")
+                    if v is not None and (not _finite(v) or not _finite(vs) or vs < 0):
+                        raise ValueError(f"cost model: {at} must be finite with a finite spread >= 0, got {v!r} "
+                                         f"and {vs!r}")
         for c, L in enumerate(self.context_lengths):
             for r, rows in enumerate(self.rows):
                 d, ds = self.draft_s[c][r], self.draft_spread_s[c][r]
@@ -379,6 +406,16 @@ class CostModel:
                         raise ValueError(f"cost model: overhead_s[{k}][{r}] ({kind} round, rows {self.rows[r]}) = "
                                          f"{self.overhead_s[k][r]!r} makes a round free: the fastest {kind} round at "
                                          f"this row count takes {fastest[k, r]!r} s before it")
+        if self.draft_overhead_s is not None:
+            rounds = self.drafting_rounds_s()  # [C, R, T]
+            over = self.draft_overhead_table()
+            for r in range(R):
+                for t in range(T):
+                    if self.draft_overhead_s[r][t] is not None and not rounds[:, r, t].min() + over[r, t] > 0:
+                        raise ValueError(f"cost model: draft_overhead_s[{r}][{t}] (rows {self.rows[r]}, B "
+                                         f"{self.batch_tokens[t]}) = {float(over[r, t])!r} makes a round free: the "
+                                         f"fastest drafting round there takes {float(rounds[:, r, t].min())!r} s "
+                                         f"before it")
 
     @staticmethod
     def _check_shape(name, value, shape, prefix=""):
@@ -441,6 +478,39 @@ class CostModel:
         verify, draft = self.filled_verify()[0], np.asarray(self.draft_s, np.float64)
         return np.stack([(verify.min(axis=2) + draft).min(axis=0), self.plain_grid().min(axis=0)])
 
+    def drafting_rounds_s(self) -> np.ndarray:
+        """Draft plus verification seconds, before any overhead, at every measured (filled) grid cell:
+        float64 [C, R, T]."""
+        return self.filled_verify()[0] + np.asarray(self.draft_s, np.float64)[:, :, None]
+
+    def draft_overhead_table(self, spread: bool = False) -> np.ndarray:
+        """The drafting round's overhead (or its spread) at each row count and padded batch: float64 [R, T],
+        ``draft_overhead_s`` with missing cells filled (class docstring), or ``overhead_s[0]`` broadcast
+        over the batches when the profile has no per-batch values (zeros without any overhead)."""
+        R, T = len(self.rows), len(self.batch_tokens)
+        base = self.overhead_s if not spread else self.overhead_spread_s
+        out = np.zeros((R, T)) if base is None else np.repeat(np.asarray(base[0], np.float64)[:, None], T, axis=1)
+        cells = self.draft_overhead_s if not spread else self.draft_overhead_spread_s
+        if cells is None:
+            return out
+        for r in range(R):
+            have = [t for t in range(T) if cells[r][t] is not None]
+            for t in range(T):
+                if not have:
+                    break
+                src = next((u for u in have if u >= t), have[-1])
+                out[r, t] = cells[r][src]
+        return out
+
+    def drafting_overhead_grid(self, interpolation: str = "linear") -> np.ndarray:
+        """The drafting round's overhead for every batch ``b = 0..max_tokens``: float64 [R, N], interpolated
+        over the measured batches as :meth:`verify_grid` is."""
+        if interpolation not in INTERPOLATIONS:
+            raise ValueError(f"interpolation: expected one of {INTERPOLATIONS}, got {interpolation!r}")
+        xs = np.asarray(self.batch_tokens, np.float64)
+        b = np.arange(self.max_tokens + 1, dtype=np.float64)
+        return np.stack([_interpolate(xs, row, b, interpolation) for row in self.draft_overhead_table()])
+
     def overhead_grid(self) -> np.ndarray:
         """Seconds an engine round takes beyond the profiled programs: float64 [2, R] (drafting round, plain
         round) at each row count; zeros when the profile has none."""
@@ -472,8 +542,7 @@ class CostModel:
         wv, wd = self.windows_for(context_tokens)
         mix_v = lambda x: float(_window_mix(np, np.asarray(self.windows, np.float64), x, float(wv)))
         mix_d = lambda x: float(_window_mix(np, np.asarray(self.draft_windows, np.float64), x, float(wd)))
-        over = self.overhead_grid()[0]
-        over_spread = np.zeros_like(over) if self.overhead_spread_s is None else np.asarray(self.overhead_spread_s)[0]
+        over, over_spread = self.draft_overhead_table(), self.draft_overhead_table(spread=True)  # [R, T]
         out = {k: [] for k in ("batch_tokens", "rows", "verify_s", "draft_s", "overhead_s", "step_s", "spread_s")}
         for t, b in enumerate(self.batch_tokens):
             rows = realistic_rows(b, max_rows=self.rows[-1], tokens_per_request=tokens_per_request)
@@ -483,9 +552,9 @@ class CostModel:
             out["rows"].append(rows)
             out["verify_s"].append(v)
             out["draft_s"].append(d)
-            out["overhead_s"].append(float(over[r]))
-            out["step_s"].append(v + d + float(over[r]))
-            out["spread_s"].append(mix_v(vspread[:, r, t]) + mix_d(dspread[:, r]) + float(over_spread[r]))
+            out["overhead_s"].append(float(over[r, t]))
+            out["step_s"].append(v + d + float(over[r, t]))
+            out["spread_s"].append(mix_v(vspread[:, r, t]) + mix_d(dspread[:, r]) + float(over_spread[r, t]))
         return {k: np.asarray(v) for k, v in out.items()}
 
     def check_query(self, num_requests, context_tokens) -> None:
@@ -508,7 +577,7 @@ class CostModel:
         verify = _window_mix(np, np.asarray(self.windows, np.float64), self.verify_grid(interpolation)[:, r, :],
                              float(wv))
         draft = _window_mix(np, np.asarray(self.draft_windows, np.float64), np.asarray(self.draft_s)[:, r], float(wd))
-        t = verify + draft + self.overhead_grid()[0, r]
+        t = verify + draft + self.drafting_overhead_grid(interpolation)[r]
         if envelope:
             t = np.minimum.accumulate(t[::-1])[::-1]
         return t
@@ -521,7 +590,8 @@ class CostModel:
                           verify_s=jnp.asarray(self.verify_grid(interpolation), jnp.float32),
                           draft_s=jnp.asarray(self.draft_s, jnp.float32),
                           plain_s=jnp.asarray(self.plain_grid(), jnp.float32),
-                          overhead_s=jnp.asarray(self.overhead_grid(), jnp.float32),
+                          draft_overhead_s=jnp.asarray(self.drafting_overhead_grid(interpolation), jnp.float32),
+                          plain_overhead_s=jnp.asarray(self.overhead_grid()[1], jnp.float32),
                           block=int(self.block), context_step=int(self.context_step), window_rule=self.window_rule)
 
     # ------------------------------------------------------------------ serialisation
@@ -554,8 +624,9 @@ class CostArrays:
       verify_s: float32 [C, R, N] verification seconds for ``b = 0..N-1`` batch tokens.
       draft_s: float32 [C, R] draft seconds.
       plain_s: float32 [C, R] seconds of a plain round (no drafts) at each row count.
-      overhead_s: float32 [2, R] seconds an engine round takes beyond the programs above (drafting round,
-        plain round; zeros when not profiled).
+      draft_overhead_s: float32 [R, N] seconds a drafting engine round takes beyond the programs above, for
+        ``b = 0..N-1`` batch tokens (zeros when not profiled).
+      plain_overhead_s: float32 [R] the same for a plain round.
     """
 
     windows: jax.Array
@@ -564,14 +635,15 @@ class CostArrays:
     verify_s: jax.Array
     draft_s: jax.Array
     plain_s: jax.Array
-    overhead_s: jax.Array
+    draft_overhead_s: jax.Array
+    plain_overhead_s: jax.Array
     block: int
     context_step: int
     window_rule: str
 
 
 jax.tree_util.register_dataclass(CostArrays, data_fields=["windows", "draft_windows", "rows", "verify_s", "draft_s",
-                                                                "plain_s", "overhead_s"],
+                                                                "plain_s", "draft_overhead_s", "plain_overhead_s"],
                                  meta_fields=["block", "context_step", "window_rule"])
 
 
@@ -592,7 +664,7 @@ def sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_tokens: jax
       envelope: replace step time by its suffix minimum over ``b`` (non-increasing steps/s).
 
     Returns:
-      float32 [N], ``sps[b] = 1 / (draft(R, Wd(L)) + verify(R, b, Wv(L)) + overhead(drafting, R))``.
+      float32 [N], ``sps[b] = 1 / (draft(R, Wd(L)) + verify(R, b, Wv(L)) + overhead(drafting, R, b))``.
 
     >>> cm = CostModel(block=1, context_step=128, window_rule="pow2", context_lengths=(0, 200),
     ...                windows=(128, 256), draft_windows=(128, 256), rows=(1, 2), batch_tokens=(2, 4),
@@ -607,7 +679,7 @@ def sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_tokens: jax
     wv, wd = round_windows(jnp.asarray(context_tokens, jnp.int32), cost.block, cost.context_step, cost.window_rule)
     verify = _window_mix(jnp, cost.windows, cost.verify_s[:, r, :], wv.astype(jnp.float32))  # [N]
     draft = _window_mix(jnp, cost.draft_windows, cost.draft_s[:, r], wd.astype(jnp.float32))  # []
-    t = verify + draft + cost.overhead_s[0, r]
+    t = verify + draft + cost.draft_overhead_s[r]
     if envelope:
         t = lax.cummin(t, axis=0, reverse=True)
     return (1.0 / t).astype(jnp.float32)
@@ -620,7 +692,7 @@ def plain_sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_token
     num = jnp.asarray(num_requests, jnp.int32)
     r = jnp.clip(jnp.searchsorted(cost.rows, num, side="left"), 0, cost.rows.shape[0] - 1)
     wv, _ = round_windows(jnp.asarray(context_tokens, jnp.int32), cost.block, cost.context_step, cost.window_rule)
-    plain = _window_mix(jnp, cost.windows, cost.plain_s[:, r], wv.astype(jnp.float32)) + cost.overhead_s[1, r]
+    plain = _window_mix(jnp, cost.windows, cost.plain_s[:, r], wv.astype(jnp.float32)) + cost.plain_overhead_s[r]
     return (1.0 / plain).astype(jnp.float32)
 
 

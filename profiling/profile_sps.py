@@ -104,6 +104,19 @@ def load_target(args):
     return model.cfg, model.weights, profiling.model_label(path)
 
 
+def overhead_lines(cm) -> list[str]:
+    """The engine-round overhead of a cost model, in ms: plain rounds by row count, drafting rounds by row
+    count and padded batch."""
+    lines = ["plain round overhead ms " + " ".join(f"R={r}:{1e3 * cm.overhead_s[1][i]:.1f}"
+                                                   for i, r in enumerate(cm.rows))]
+    table = cm.draft_overhead_table()
+    for i, r in enumerate(cm.rows):
+        lines.append(f"drafting round overhead ms R={r}: " + " ".join(
+            f"B={b}:{1e3 * table[i, t]:.1f}" for t, b in enumerate(cm.batch_tokens)
+            if b in profiling.overhead_batches(cm, r)))
+    return lines
+
+
 def extend_table(args, device, out, extend, report):
     """Load the table at ``out``, add to it ``extend(table, weights, cfg)`` with the target on ``device``, write it
     back and print ``report(cost_model)`` (lines)."""
@@ -148,9 +161,7 @@ def main(argv=None):
             drafter = profiling.random_drafter(cfg, block=table.cost_model.block)
             return profiling.add_round_overhead(table, LlamaModel(cfg, weights), drafter, progress=True)
 
-        return extend_table(args, device, out, overhead, lambda cm: [
-            f"{kind} round overhead ms " + " ".join(f"R={r}:{1e3 * cm.overhead_s[k][i]:.1f}" for i, r in enumerate(cm.rows))
-            for k, kind in enumerate(profiling.OVERHEAD_KINDS)])
+        return extend_table(args, device, out, overhead, overhead_lines)
 
     if args.add_plain:
         def plain(table, weights, cfg):

@@ -226,6 +226,25 @@ def test_cost_model_drives_the_schedule_without_recompiling(model, drafter):
                    sps=table)
 
 
+def test_dspark_rounds_fill_the_padded_batch(model, drafter):
+    """The dspark policies verify the next-ranked drafts in the room the padded batch leaves (free: the
+    bucket is computed anyway), lossless with the fill on and off."""
+    ps = prompts(4, seed=21)
+    ref, _ = plain_generate(model, ps, 30, 0.0, num_slots=4, stop_ids=[], capacity=128)
+    share = {}
+    for fill in (True, False):
+        for policy in ("dspark", "dspark-async"):
+            e = eng.Engine(model, drafter, policy, eng.EngineConfig(num_slots=4, capacity=128, fill_buckets=fill),
+                           sps=synthetic_cost_table(), stop_ids=[])
+            assert [c.output_ids for c in e.run(ps, 30)] == [r.output_ids for r in ref], (policy, fill)
+            # rounds with drafts and every request far from its limit (no cap shortened a row)
+            spec = [r for r in e.rounds if r.scheduled.sum() > 0 and r.finished == 0]
+            full = [r.batch_tokens == r.padded_tokens or np.all(r.scheduled == e.G) for r in spec]
+            share[policy, fill] = np.mean(full) if spec else None
+    for policy in ("dspark", "dspark-async"):
+        assert share[policy, True] is not None and share[policy, True] >= 0.8, share
+
+
 def test_busy_engine_skips_a_drafter_that_does_not_pay(model, drafter):
     """With a drafter that costs ten verification steps, dspark decodes plainly (and stays lossless); with
     probes it drafts exactly once after every `gate_probe_every` skipped rounds, to refresh its estimates."""

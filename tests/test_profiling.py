@@ -531,6 +531,49 @@ def test_round_overhead_adds_to_its_kind_everywhere(tmp_path):
         dataclasses.replace(cm, overhead_s=[over[0]], overhead_spread_s=[[0.0] * 3])
 
 
+def test_drafting_overhead_by_padded_batch(tmp_path):
+    """A drafting round's overhead may depend on the padded batch it verifies: measured cells replace the
+    row's single value, missing cells take the next measured batch of the row (else its largest), a row
+    without any keeps ``overhead_s[0]``; it is interpolated over the batch like verification, reaches the
+    jitted curves, survives JSON and is validated."""
+    cm = synthetic()  # rows (1, 2, 4), batches (8, 16, 32)
+    over = [[1e-3, 2e-3, 4e-3], [3e-3, 5e-3, 7e-3]]
+    spread = [[0.0] * 3, [0.0] * 3]
+    by_batch = [[-2e-3, None, 6e-3], [None, None, None], [None, 8e-3, None]]
+    by_spread = [[0.0, None, 1e-4], [None, None, None], [None, 0.0, None]]
+    base = dataclasses.replace(cm, overhead_s=over, overhead_spread_s=spread)
+    full = dataclasses.replace(base, draft_overhead_s=by_batch, draft_overhead_spread_s=by_spread)
+    np.testing.assert_allclose(full.draft_overhead_table(), [[-2e-3, 6e-3, 6e-3], [2e-3] * 3, [8e-3] * 3])
+    np.testing.assert_allclose(full.draft_overhead_table(spread=True), [[0.0, 1e-4, 1e-4], [0.0] * 3, [0.0] * 3])
+    np.testing.assert_allclose(base.draft_overhead_table(), [[1e-3] * 3, [2e-3] * 3, [4e-3] * 3])
+    for R, r in ((1, 0), (2, 1), (4, 2)):
+        for L in (120, 300):
+            extra = full.step_times(R, L) - base.step_times(R, L)
+            # row 1 between its measured batches 8 and 16 (linear), then flat
+            b = np.arange(len(extra))
+            want = np.interp(b, [8, 16, 32], full.draft_overhead_table()[r]) - over[0][r]
+            np.testing.assert_allclose(extra, want, atol=1e-12)
+            assert full.plain_step_time(R, L) == base.plain_step_time(R, L)
+            np.testing.assert_allclose(np.asarray(sps_from_cost(full.arrays(), jnp.int32(R), jnp.int32(L))),
+                                       1 / full.step_times(R, L), rtol=2e-6)
+    ceil = full.step_times(1, 120, interpolation="ceil") - base.step_times(1, 120, interpolation="ceil")
+    assert ceil[9] == pytest.approx(6e-3 - 1e-3)  # a batch of 9 pays the 16 bucket's overhead
+    t = table_with(full)
+    t.save(tmp_path / "t.json")
+    assert SPSTable.load(tmp_path / "t.json") == t
+    with pytest.raises(ValueError, match="draft_overhead_s refines overhead_s, which is missing"):
+        dataclasses.replace(cm, draft_overhead_s=by_batch, draft_overhead_spread_s=by_spread)
+    with pytest.raises(ValueError, match="draft_overhead_s and draft_overhead_spread_s must be given together"):
+        dataclasses.replace(base, draft_overhead_s=by_batch)
+    with pytest.raises(ValueError, match=r"draft_overhead_s\[0\]\[1\] \(rows 1, B 16\) and its spread must be "
+                                         r"measured together"):
+        dataclasses.replace(full, draft_overhead_s=[[-2e-3, 1e-3, 6e-3], *by_batch[1:]])
+    with pytest.raises(ValueError, match=r"draft_overhead_s\[2\]\[1\] \(rows 4, B 16\) = -1.0 makes a round free"):
+        dataclasses.replace(full, draft_overhead_s=[*by_batch[:2], [None, -1.0, None]])
+    with pytest.raises(ValueError, match=r"draft_overhead_s must have 3 entries"):
+        dataclasses.replace(full, draft_overhead_s=by_batch[:2], draft_overhead_spread_s=by_spread[:2])
+
+
 def test_add_overhead_extends_a_table_in_place(tiny_profile, tmp_path):
     """`--add-overhead` measures the engine-round overhead of an existing table at every row count and writes
     the table back with it, the rest unchanged."""
@@ -542,5 +585,9 @@ def test_add_overhead_extends_a_table_in_place(tiny_profile, tmp_path):
     assert loaded == back and loaded.metadata.extra["round_overhead_date"] == datetime.date.today().isoformat()
     cm = loaded.cost_model
     assert len(cm.overhead_s) == 2 and all(len(k) == len(cm.rows) for k in cm.overhead_s)
-    assert dataclasses.replace(cm, overhead_s=None, overhead_spread_s=None) == dataclasses.replace(
-        table.cost_model, overhead_s=None, overhead_spread_s=None)
+    # drafting rounds by padded batch: measured exactly at the batches each row count can verify
+    for r, R in enumerate(cm.rows):
+        have = {b for t, b in enumerate(cm.batch_tokens) if cm.draft_overhead_s[r][t] is not None}
+        assert have == set(profiling.overhead_batches(cm, R)) and have
+    none = dict(overhead_s=None, overhead_spread_s=None, draft_overhead_s=None, draft_overhead_spread_s=None)
+    assert dataclasses.replace(cm, **none) == dataclasses.replace(table.cost_model, **none)

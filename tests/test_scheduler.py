@@ -177,6 +177,73 @@ def test_hypothesis_top_k_lengths(case, k):
     np.testing.assert_array_equal(got, want)
 
 
+BUCKETS = np.array([1, 2, 4, 8, 16, 32, 64], np.int32)
+
+
+def ranked_prefix(a, k):
+    """Lengths when the top ``k`` positive-survival candidates (row-major ties) are admitted."""
+    order = sorted([(r, j) for r in range(a.shape[0]) for j in range(a.shape[1]) if a[r, j] > 0],
+                   key=lambda rj: -float(a[rj]))
+    want = np.zeros(a.shape[0], int)
+    for r, j in order[:k]:
+        want[r] = j + 1
+    return want
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_hypothesis_fill_to_bucket(case):
+    """The fill extends the first-drop schedule to the next ranked candidates until the padded batch is full
+    (or no candidate is left), and leaves a schedule without drafts alone."""
+    conf, sps, active = case
+    s = scheduler.schedule(conf, sps, active=active)
+    got = np.asarray(scheduler.fill_to_bucket(conf, s.lengths, BUCKETS, active=active))
+    base = np.asarray(s.lengths)
+    assert np.all(got >= base) and np.all(got[~active] == 0)
+    r_act, drafts = int(active.sum()), int(base.sum())
+    if drafts == 0:
+        np.testing.assert_array_equal(got, base)
+        return
+    padded = int(BUCKETS[np.searchsorted(BUCKETS, r_act + drafts)])
+    a = reference.survival(conf, active)
+    np.testing.assert_array_equal(got, ranked_prefix(a, padded - r_act))
+    assert r_act + got.sum() == padded or got.sum() == int((a > 0).sum())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.data())
+def test_hypothesis_admission_never_looks_at_its_own_draft(case, data):
+    """Lossless scheduling: whether draft ``(r, k)`` is verified may not change when the confidences that
+    can depend on it (``c[r, k+1..]``) change. Holds for the first drop with and without the fill, and for
+    a top-K whose K is fixed; the argmax over fresh confidences breaks it (spec appendix A)."""
+    conf, sps, active = case
+    rows, block = conf.shape
+    r = data.draw(st.integers(0, rows - 1))
+    k = data.draw(st.integers(1, block))  # 1-based draft position
+    other = conf.copy()
+    other[r, k:] = np.array(data.draw(st.lists(st.floats(0, 1, width=32), min_size=block - k,
+                                               max_size=block - k)), np.float32)
+    K = data.draw(st.integers(0, rows * block))
+
+    def rules(c):
+        first = scheduler.schedule(c, sps, active=active).lengths
+        return {"first_drop": first,
+                "first_drop+fill": scheduler.fill_to_bucket(c, first, BUCKETS, active=active),
+                "top_k+fill": scheduler.fill_to_bucket(c, scheduler.top_k_lengths(c, jnp.int32(K), active=active),
+                                                       BUCKETS, active=active)}
+
+    for name, (x, y) in {n: (rules(conf)[n], rules(other)[n]) for n in rules(conf)}.items():
+        assert (int(x[r]) >= k) == (int(y[r]) >= k), name
+
+
+def test_argmax_admission_looks_at_its_own_draft():
+    """The property above can fail: spec appendix A, where the argmax verifies x1 only when c2 is high."""
+    sps = np.array([1.0, 1.0, 0.5, 0.45], np.float32)
+    high = scheduler.schedule(np.array([[0.8, 0.9]], np.float32), sps, stop="argmax").lengths
+    low = scheduler.schedule(np.array([[0.8, 0.0]], np.float32), sps, stop="argmax").lengths
+    assert int(high[0]) >= 1 and int(low[0]) == 0
+
+
 def test_top_k_lengths_staged_large():
     rng = np.random.default_rng(3)
     conf = make_conf(rng, 128, 16, "uniform")
