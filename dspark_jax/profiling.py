@@ -521,7 +521,8 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
     requests of ``context`` random prompt tokens (default: the second smallest profiled context plus 10
     tokens, in the next window, so the windows stay put while it runs): for each padded batch a drafting
     round can verify (:func:`overhead_batches`: ``2R, 4R, 8R`` for G = 7), a drafting kind forced to fill
-    that batch every round, and a plain kind where the engine skips the drafter. Each round's measured wall
+    that batch every round, and a plain kind where the engine skips the drafter; the engines of one row
+    count take turns round by round, so the host's drift moves them alike. Each round's measured wall
     time minus the cost model's time for the same round (:meth:`CostModel.step_times` at its padded batch,
     :meth:`CostModel.plain_step_time`) is one sample; rounds that compiled are left out.
 
@@ -555,38 +556,43 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
         raise ValueError(f"rows {list(measure)} must be among the cost model's rows {list(cost.rows)}")
     if context is None:
         context = (cost.context_lengths[1] if len(cost.context_lengths) > 1 else cost.context_lengths[0]) + 10
-    G, S = cost.block, measure[-1]
+    G = cost.block
     attempts = warmup + 3 * rounds  # room for rounds that compile (a new bucket or window)
     max_new = attempts * (G + 1) + 1
     capacity = -(-(context + max_new + G + 2) // CONTEXT_STEP) * CONTEXT_STEP
     vocab = target.cfg.vocab_size
     rng = np.random.default_rng(0)
     samples: dict[tuple[int, int], list[float]] = {}  # (R, padded batch; 0 = plain round) -> seconds
-    jobs = [(R, b) for R in measure for b in (0, *overhead_batches(cost, R))]
-    for R, batch in tqdm(jobs, disable=not progress, desc="round overhead", unit="cell"):
-        kind = "drafting" if batch else "plain"
-        engine = Engine(target, drafter, "dspark",
-                        EngineConfig(num_slots=S, capacity=capacity, temperature=temperature,
-                                     window_rule=cost.window_rule, gate_probe_every=10**9),
-                        sps=_forced_table(base, kind, batch or None), stop_ids=())
-        for _ in range(R):
-            engine.submit(rng.integers(0, vocab, context).tolist(), max_new)
+    for R in tqdm(measure, disable=not progress, desc="round overhead", unit="row count"):
+        # One engine per kind of round, stepped in turn, so that a host that drifts while this runs (a shared
+        # machine) moves every kind alike and the ratios between them hold.
+        engines = {}
+        for batch in (0, *overhead_batches(cost, R)):
+            engines[batch] = Engine(target, drafter, "dspark",
+                                    EngineConfig(num_slots=R, capacity=capacity, temperature=temperature,
+                                                 window_rule=cost.window_rule, gate_probe_every=10**9),
+                                    sps=_forced_table(base, "drafting" if batch else "plain", batch or None),
+                                    stop_ids=())
+            for _ in range(R):
+                engines[batch].submit(rng.integers(0, vocab, context).tolist(), max_new)
         for i in range(attempts):
-            st = engine.step()
-            if st is None or len(samples.get((R, batch), ())) >= rounds:
-                break
-            if i < warmup or st.compiled or st.drafted != bool(batch):
-                continue
-            if batch:
-                padded = bucket_for(st.batch_tokens)
-                predicted = float(base.step_times(st.active, st.context)[padded])
-            else:
-                padded, predicted = 0, base.plain_step_time(st.active, st.context)
-            samples.setdefault((R, padded), []).append(st.seconds - predicted)
-        del engine
-        if not samples.get((R, batch)):
-            raise RuntimeError(f"round overhead: no steady {kind} round at R={R}"
-                               + (f", B={batch}" if batch else "") + f" in {attempts} rounds")
+            for batch, engine in engines.items():
+                if len(samples.get((R, batch), ())) >= rounds:
+                    continue
+                st = engine.step()
+                if st is None or i < warmup or st.compiled or st.drafted != bool(batch):
+                    continue
+                if batch:
+                    padded = bucket_for(st.batch_tokens)
+                    predicted = float(base.step_times(st.active, st.context)[padded])
+                else:
+                    padded, predicted = 0, base.plain_step_time(st.active, st.context)
+                samples.setdefault((R, padded), []).append(st.seconds - predicted)
+        del engines
+        for batch in (0, *overhead_batches(cost, R)):
+            if not samples.get((R, batch)):
+                raise RuntimeError(f"round overhead: no steady {'drafting' if batch else 'plain'} round at R={R}"
+                                   + (f", B={batch}" if batch else "") + f" in {attempts} rounds")
     fastest = base.fastest_round_s()  # [2, R]
     floor = base.drafting_rounds_s().min(axis=0)  # [R, T]
     Rn, T = len(cost.rows), len(cost.batch_tokens)
