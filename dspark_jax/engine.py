@@ -133,6 +133,11 @@ class EngineConfig:
     # against a plain round, from the cost model) under this share of the time: at high load a probe costs
     # several plain rounds, so it comes less often.
     gate_probe_budget: float = 0.02
+    # ... and drafts only when the schedule's expected throughput beats plain decoding by this share: the
+    # cost model's drafting/plain ratio moves by up to ~10% between measurements on a shared 2-core host,
+    # and the per-request confidence averages are noisy, so a gate that opens on any expected gain opens
+    # on estimates that are too high (README, Serving benchmark). 0 trusts the estimates as they are.
+    gate_margin: float = 0.1
     # Correct the cost model's drafting and plain round times by the engine's own measurements before the
     # gate compares them (`Engine.time_scale`). Off by default: on the 2-core CPU shared with another job it
     # opened the gate more often and lowered throughput (README, Engine). The output stays lossless either
@@ -275,6 +280,8 @@ class Engine:
             raise ValueError(f"window_rule: expected 'step' or 'pow2', got {config.window_rule!r}")
         if config.gate_probe_every < 1:
             raise ValueError(f"gate_probe_every: expected an integer >= 1, got {config.gate_probe_every}")
+        if not (np.isfinite(config.gate_margin) and config.gate_margin >= 0):
+            raise ValueError(f"gate_margin: expected a finite share >= 0, got {config.gate_margin}")
         if not config.gate_probe_budget > 0:
             raise ValueError(f"gate_probe_budget: expected a share > 0 (inf: probe every gate_probe_every "
                              f"rounds), got {config.gate_probe_budget}")
@@ -419,7 +426,7 @@ class Engine:
                                             seed=self.cfg.seed, capacity=cap, R=R, policy=self.policy,
                                             greedy=self.greedy, probe_every=self.cfg.gate_probe_every,
                                             probe_budget=self.cfg.gate_probe_budget, context=w,
-                                            fill=self.cfg.fill_buckets)
+                                            fill=self.cfg.fill_buckets, margin=self.cfg.gate_margin)
             else:
                 d = None
             conf, drafted_arr = self._round_conf(d, R)
@@ -439,7 +446,7 @@ class Engine:
             if self.cost is not None:
                 _after_round(self.cost, scale, self.state, jnp.int32(R), jnp.int32(0), jnp.int32(R), drafted_arr, R=R,
                              probe_every=self._gate_probe, probe_budget=self.cfg.gate_probe_budget,
-                             fill=self.cfg.fill_buckets)
+                             fill=self.cfg.fill_buckets, margin=self.cfg.gate_margin)
             if R >= S:
                 break
             R = min(2 * R, S)
@@ -479,7 +486,7 @@ class Engine:
                                     capacity=self.cfg.capacity, R=R, policy=self.policy, greedy=self.greedy,
                                     probe_every=self.cfg.gate_probe_every, probe_budget=self.cfg.gate_probe_budget,
                                     context=_window(longest, self.cfg.capacity, self.cfg.window_rule),
-                                    fill=self.cfg.fill_buckets)
+                                    fill=self.cfg.fill_buckets, margin=self.cfg.gate_margin)
             B = int(d.batch_tokens)  # the one value the host needs: it picks the token bucket
         else:
             d, B = None, n
@@ -495,7 +502,8 @@ class Engine:
         if self.cost is not None:
             after = _after_round(self.cost, scale, self.state, jnp.int32(n), jnp.int32(longest), jnp.int32(B),
                                  drafted_arr, R=R, probe_every=self._gate_probe,
-                                 probe_budget=self.cfg.gate_probe_budget, fill=self.cfg.fill_buckets)
+                                 probe_budget=self.cfg.gate_probe_budget, fill=self.cfg.fill_buckets,
+                                 margin=self.cfg.gate_margin)
         (emitted, counts, finished, accepted, new_len), (predicted, next_gate) = jax.device_get((out, after))
         self._gate_closed = not bool(next_gate)
         drafted = bool(d.drafted) if d is not None else False
@@ -664,9 +672,9 @@ def _padded(batch):
     return buckets[jnp.clip(jnp.searchsorted(buckets, batch, side="left"), 0, len(BUCKETS) - 1)]
 
 
-@functools.partial(jax.jit, static_argnames=("R", "probe_every", "probe_budget", "fill"))
+@functools.partial(jax.jit, static_argnames=("R", "probe_every", "probe_budget", "fill", "margin"))
 def _after_round(cost, time_scale, state: EngineState, n_active, longest, batch_tokens, drafted, *,
-                 R: int, probe_every: int, probe_budget: float, fill: bool = True):
+                 R: int, probe_every: int, probe_budget: float, fill: bool = True, margin: float = 0.0):
     """After a round, on the committed state: the cost model's time for the round that just ran (drafting
     or plain, with ``n_active`` requests whose longest held ``longest`` tokens; the host compares it with the
     measured time) and the drafter gate of the next round for
@@ -679,17 +687,18 @@ def _after_round(cost, time_scale, state: EngineState, n_active, longest, batch_
     gate = jnp.bool_(True)
     if probe_every > 0:
         gate, _ = _drafting_pays(cost, state, *_device_rows(state.active, R), time_scale, probe_every, probe_budget,
-                                 fill)
+                                 fill, margin)
     return predicted, gate
 
 
 def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_every: int, probe_budget: float,
-                   fill: bool):
+                   fill: bool, margin: float):
     """The drafter gate: expected tokens/s of the schedule on each request's average confidences over its
     earlier drafted rounds (known before this round's drafts exist, so the decision cannot bias them), with
     the drafter's cost, against plain decoding without it; or a probe after ``probe_every`` skipped rounds,
     and at least as many as keep a probe's extra cost below ``probe_budget`` of the time. The drafting
-    round is priced at the padded batch the engine would run (with ``fill``, the schedule filled to it).
+    round is priced at the padded batch the engine would run (with ``fill``, the schedule filled to it), and
+    must promise ``1 + margin`` times plain decoding's throughput.
     Round times are the cost model's, times the engine's measured corrections ``time_scale`` [2] (drafting
     round, plain round). Returns the decision and the cost model's steps/s curve [N] for the rows' requests
     and longest context (what the schedule reads)."""
@@ -707,14 +716,15 @@ def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_
     expected = scheduler.expected_tokens(conf, lengths, active=row_valid) * rate / time_scale[0]
     probe_round = time_scale[0] / sps[jnp.clip(n_active, 0, sps.shape[0] - 1)]  # drafts, verifies none
     wait = jnp.ceil((probe_round - plain_round) / (probe_budget * plain_round))
-    return (expected > plain) | (state.skipped >= jnp.maximum(probe_every, wait)), sps
+    return (expected > plain * (1.0 + margin)) | (state.skipped >= jnp.maximum(probe_every, wait)), sps
 
 
 @functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity", "probe_every",
-                                             "probe_budget", "fill"))
+                                             "probe_budget", "fill", "margin"))
 def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, time_scale, temperature, *,
                         seed: int, capacity: int, R: int, policy: Policy, greedy: bool, context: int,
-                        probe_every: int = 32, probe_budget: float = 0.02, fill: bool = True) -> DraftOut:
+                        probe_every: int = 32, probe_budget: float = 0.02, fill: bool = True,
+                        margin: float = 0.0) -> DraftOut:
     """Draft a block for the first R rows, compute calibrated confidences, apply the policy.
 
     With a cost model, the ``dspark`` policies first decide whether drafting pays at all this round: the
@@ -731,7 +741,7 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     ctx_len = state.cache.lengths[rows]
     gate = jnp.bool_(True)
     if cost is not None:  # (dspark policies) this round's curve: draft(R, L) + verify(R, B, L), and the gate
-        gate, sps = _drafting_pays(cost, state, rows, row_valid, time_scale, probe_every, probe_budget, fill)
+        gate, sps = _drafting_pays(cost, state, rows, row_valid, time_scale, probe_every, probe_budget, fill, margin)
 
     def run_drafter():
         keys = _key(seed, 1, state.request[rows], ctx_len)

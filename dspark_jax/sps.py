@@ -570,14 +570,16 @@ class CostModel:
     def step_times(self, num_requests: int, context_tokens: int, *, interpolation: str = "linear",
                    envelope: bool = False) -> np.ndarray:
         """Round seconds for ``b = 0..max_tokens`` at ``num_requests`` active requests whose longest holds
-        ``context_tokens`` tokens: float64 [max_tokens + 1] (the NumPy twin of :func:`sps_from_cost`)."""
+        ``context_tokens`` tokens: float64 [max_tokens + 1] (the NumPy twin of :func:`sps_from_cost`).
+        Non-decreasing in ``b`` (a running maximum): a round that verifies more tokens at the same rows and
+        context never costs less, so measurement noise cannot make a larger batch look cheaper."""
         self.check_query(num_requests, context_tokens)
         r = int(np.searchsorted(np.asarray(self.rows), num_requests, side="left"))
         wv, wd = self.windows_for(context_tokens)
         verify = _window_mix(np, np.asarray(self.windows, np.float64), self.verify_grid(interpolation)[:, r, :],
                              float(wv))
         draft = _window_mix(np, np.asarray(self.draft_windows, np.float64), np.asarray(self.draft_s)[:, r], float(wd))
-        t = verify + draft + self.drafting_overhead_grid(interpolation)[r]
+        t = np.maximum.accumulate(verify + draft + self.drafting_overhead_grid(interpolation)[r])
         if envelope:
             t = np.minimum.accumulate(t[::-1])[::-1]
         return t
@@ -664,7 +666,8 @@ def sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_tokens: jax
       envelope: replace step time by its suffix minimum over ``b`` (non-increasing steps/s).
 
     Returns:
-      float32 [N], ``sps[b] = 1 / (draft(R, Wd(L)) + verify(R, b, Wv(L)) + overhead(drafting, R, b))``.
+      float32 [N], ``sps[b] = 1 / max_{b' <= b} (draft(R, Wd(L)) + verify(R, b', Wv(L)) + overhead(drafting,
+      R, b'))``: step time non-decreasing in ``b`` (measurement noise never makes a larger batch cheaper).
 
     >>> cm = CostModel(block=1, context_step=128, window_rule="pow2", context_lengths=(0, 200),
     ...                windows=(128, 256), draft_windows=(128, 256), rows=(1, 2), batch_tokens=(2, 4),
@@ -679,7 +682,7 @@ def sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_tokens: jax
     wv, wd = round_windows(jnp.asarray(context_tokens, jnp.int32), cost.block, cost.context_step, cost.window_rule)
     verify = _window_mix(jnp, cost.windows, cost.verify_s[:, r, :], wv.astype(jnp.float32))  # [N]
     draft = _window_mix(jnp, cost.draft_windows, cost.draft_s[:, r], wd.astype(jnp.float32))  # []
-    t = verify + draft + cost.draft_overhead_s[r]
+    t = lax.cummax(verify + draft + cost.draft_overhead_s[r], axis=0)  # more tokens never cost less
     if envelope:
         t = lax.cummin(t, axis=0, reverse=True)
     return (1.0 / t).astype(jnp.float32)

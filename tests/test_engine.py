@@ -264,6 +264,23 @@ def test_busy_engine_skips_a_drafter_that_does_not_pay(model, drafter):
             assert drafted[:6] == [False, False, True, False, False, True], drafted
 
 
+def test_gate_margin_asks_drafting_for_a_clear_gain(model, drafter):
+    """The gate opens only when drafting promises ``1 + gate_margin`` times plain decoding's throughput: a
+    free drafter drafts with no margin and never with an impossible one (output lossless either way)."""
+    ps = prompts(3, seed=4)
+    ref, _ = plain_generate(model, ps, 12, 0.0, num_slots=3, stop_ids=[], capacity=64)
+    for margin, drafts in ((0.0, True), (50.0, False)):
+        e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000,
+                                                                  gate_margin=margin),
+                       sps=synthetic_cost_table(draft_cost=0.0), stop_ids=[])
+        assert [c.output_ids for c in e.run(ps, 12)] == [r.output_ids for r in ref]
+        assert any(r.drafted for r in e.rounds) == drafts, margin
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="gate_margin: expected a finite share >= 0"):
+            eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_margin=bad),
+                       sps=synthetic_cost_table())
+
+
 def test_closed_gate_skips_the_draft_program(model, drafter, monkeypatch):
     """Once a round finds the drafter will not pay for the same requests, the next rounds do not run the draft
     program at all (no dispatch, no host read) until someone joins; output stays that of plain decoding."""
