@@ -226,6 +226,18 @@ def _int_axis(name: str, values, *, minimum: int) -> None:
         prev = v
 
 
+def _nondecreasing(y: np.ndarray) -> np.ndarray:
+    """The least-squares non-decreasing fit of ``y`` [T] (pool adjacent violators, equal weights)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in np.asarray(y, np.float64):
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, n = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+    return np.concatenate([np.full(int(n), total / n) for total, n in blocks])
+
+
 def _window_mix(xp, windows, per_ctx, w):
     """Value at window ``w`` from per-window values ``per_ctx`` [C, ...]: linear between measured windows,
     clamped below the first, extrapolated along the last segment (slope >= 0) beyond the last."""
@@ -502,14 +514,19 @@ class CostModel:
                 out[r, t] = cells[r][src]
         return out
 
-    def drafting_overhead_grid(self, interpolation: str = "linear") -> np.ndarray:
-        """The drafting round's overhead for every batch ``b = 0..max_tokens``: float64 [R, N], interpolated
-        over the measured batches as :meth:`verify_grid` is."""
+    def drafting_grid(self, interpolation: str = "linear") -> np.ndarray:
+        """Verification plus the drafting round's overhead for every batch ``b = 0..max_tokens``: float64
+        [C, R, N]. At each context and row count the measured batches are first fitted by the closest
+        non-decreasing sequence (least squares, pool adjacent violators): a round that verifies more tokens
+        never costs less, and two noisy cells out of order are averaged rather than one of them trusted;
+        then interpolated over the batch as :meth:`verify_grid` is."""
         if interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation: expected one of {INTERPOLATIONS}, got {interpolation!r}")
+        points = self.filled_verify()[0] + self.draft_overhead_table()[None]  # [C, R, T]
         xs = np.asarray(self.batch_tokens, np.float64)
         b = np.arange(self.max_tokens + 1, dtype=np.float64)
-        return np.stack([_interpolate(xs, row, b, interpolation) for row in self.draft_overhead_table()])
+        return np.stack([np.stack([_interpolate(xs, _nondecreasing(row), b, interpolation) for row in ctx])
+                         for ctx in points])
 
     def overhead_grid(self) -> np.ndarray:
         """Seconds an engine round takes beyond the profiled programs: float64 [2, R] (drafting round, plain
@@ -571,15 +588,16 @@ class CostModel:
                    envelope: bool = False) -> np.ndarray:
         """Round seconds for ``b = 0..max_tokens`` at ``num_requests`` active requests whose longest holds
         ``context_tokens`` tokens: float64 [max_tokens + 1] (the NumPy twin of :func:`sps_from_cost`).
-        Non-decreasing in ``b`` (a running maximum): a round that verifies more tokens at the same rows and
-        context never costs less, so measurement noise cannot make a larger batch look cheaper."""
+        Non-decreasing in ``b`` (:meth:`drafting_grid`, and a running maximum after the windows are mixed): a
+        round that verifies more tokens at the same rows and context never costs less, so measurement noise
+        cannot make a larger batch look cheaper."""
         self.check_query(num_requests, context_tokens)
         r = int(np.searchsorted(np.asarray(self.rows), num_requests, side="left"))
         wv, wd = self.windows_for(context_tokens)
-        verify = _window_mix(np, np.asarray(self.windows, np.float64), self.verify_grid(interpolation)[:, r, :],
+        verify = _window_mix(np, np.asarray(self.windows, np.float64), self.drafting_grid(interpolation)[:, r, :],
                              float(wv))
         draft = _window_mix(np, np.asarray(self.draft_windows, np.float64), np.asarray(self.draft_s)[:, r], float(wd))
-        t = np.maximum.accumulate(verify + draft + self.drafting_overhead_grid(interpolation)[r])
+        t = np.maximum.accumulate(verify + draft)
         if envelope:
             t = np.minimum.accumulate(t[::-1])[::-1]
         return t
@@ -589,10 +607,9 @@ class CostModel:
         return CostArrays(windows=jnp.asarray(self.windows, jnp.float32),
                           draft_windows=jnp.asarray(self.draft_windows, jnp.float32),
                           rows=jnp.asarray(self.rows, jnp.int32),
-                          verify_s=jnp.asarray(self.verify_grid(interpolation), jnp.float32),
+                          verify_s=jnp.asarray(self.drafting_grid(interpolation), jnp.float32),
                           draft_s=jnp.asarray(self.draft_s, jnp.float32),
                           plain_s=jnp.asarray(self.plain_grid(), jnp.float32),
-                          draft_overhead_s=jnp.asarray(self.drafting_overhead_grid(interpolation), jnp.float32),
                           plain_overhead_s=jnp.asarray(self.overhead_grid()[1], jnp.float32),
                           block=int(self.block), context_step=int(self.context_step), window_rule=self.window_rule)
 
@@ -623,12 +640,12 @@ class CostArrays:
     Attributes:
       windows, draft_windows: float32 [C] measured verification and draft windows.
       rows: int32 [R] measured row counts (row buckets).
-      verify_s: float32 [C, R, N] verification seconds for ``b = 0..N-1`` batch tokens.
+      verify_s: float32 [C, R, N] verification seconds plus the drafting round's overhead for ``b = 0..N-1``
+        batch tokens (:meth:`CostModel.drafting_grid`, non-decreasing in ``b``).
       draft_s: float32 [C, R] draft seconds.
       plain_s: float32 [C, R] seconds of a plain round (no drafts) at each row count.
-      draft_overhead_s: float32 [R, N] seconds a drafting engine round takes beyond the programs above, for
-        ``b = 0..N-1`` batch tokens (zeros when not profiled).
-      plain_overhead_s: float32 [R] the same for a plain round.
+      plain_overhead_s: float32 [R] seconds a plain engine round takes beyond the plain program (zeros when
+        not profiled).
     """
 
     windows: jax.Array
@@ -637,7 +654,6 @@ class CostArrays:
     verify_s: jax.Array
     draft_s: jax.Array
     plain_s: jax.Array
-    draft_overhead_s: jax.Array
     plain_overhead_s: jax.Array
     block: int
     context_step: int
@@ -645,7 +661,7 @@ class CostArrays:
 
 
 jax.tree_util.register_dataclass(CostArrays, data_fields=["windows", "draft_windows", "rows", "verify_s", "draft_s",
-                                                                "plain_s", "draft_overhead_s", "plain_overhead_s"],
+                                                                "plain_s", "plain_overhead_s"],
                                  meta_fields=["block", "context_step", "window_rule"])
 
 
@@ -682,7 +698,7 @@ def sps_from_cost(cost: CostArrays, num_requests: jax.Array, context_tokens: jax
     wv, wd = round_windows(jnp.asarray(context_tokens, jnp.int32), cost.block, cost.context_step, cost.window_rule)
     verify = _window_mix(jnp, cost.windows, cost.verify_s[:, r, :], wv.astype(jnp.float32))  # [N]
     draft = _window_mix(jnp, cost.draft_windows, cost.draft_s[:, r], wd.astype(jnp.float32))  # []
-    t = lax.cummax(verify + draft + cost.draft_overhead_s[r], axis=0)  # more tokens never cost less
+    t = lax.cummax(verify + draft, axis=0)  # more tokens never cost less
     if envelope:
         t = lax.cummin(t, axis=0, reverse=True)
     return (1.0 / t).astype(jnp.float32)
