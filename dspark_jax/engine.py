@@ -667,12 +667,6 @@ def _policy_lengths(policy: Policy, conf, hist, sps, row_valid, G):
     raise ValueError(f"policy {policy} does not draft")
 
 
-def _padded(batch):
-    """The bucket the engine pads a batch of ``batch`` tokens to (``llama.bucket_for`` inside ``jit``)."""
-    buckets = jnp.asarray(BUCKETS, jnp.int32)
-    return buckets[jnp.clip(jnp.searchsorted(buckets, batch, side="left"), 0, len(BUCKETS) - 1)]
-
-
 @functools.partial(jax.jit, static_argnames=("R", "probe_every", "probe_budget", "fill", "margin"))
 def _after_round(cost, time_scale, state: EngineState, n_active, longest, batch_tokens, drafted, *,
                  R: int, probe_every: int, probe_budget: float, fill: bool = True, margin: float = 0.0):
@@ -683,7 +677,8 @@ def _after_round(cost, time_scale, state: EngineState, n_active, longest, batch_
     kept out of the verify programs, which compile once per (R, T, window)."""
     n_active = jnp.maximum(n_active, 1)
     sps = sps_from_cost(cost, n_active, longest)
-    predicted = jnp.where(drafted, 1.0 / sps[jnp.clip(_padded(batch_tokens), 0, sps.shape[0] - 1)],
+    predicted = jnp.where(drafted, 1.0 / sps[jnp.clip(scheduler.padded_batch(batch_tokens, BUCKETS), 0,
+                                                      sps.shape[0] - 1)],
                           1.0 / plain_sps_from_cost(cost, n_active, longest)).astype(jnp.float32)
     gate = jnp.bool_(True)
     if probe_every > 0:
@@ -711,8 +706,8 @@ def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_
     conf = state.conf_ema[rows]
     lengths = scheduler.schedule(conf, sps, active=row_valid).lengths
     if fill:
-        lengths = scheduler.fill_to_bucket(conf, lengths, jnp.asarray(BUCKETS, jnp.int32), active=row_valid)
-    padded = _padded(n_active + jnp.sum(lengths))
+        lengths = scheduler.fill_to_bucket(conf, lengths, BUCKETS, active=row_valid)
+    padded = scheduler.padded_batch(n_active + jnp.sum(lengths), BUCKETS)
     rate = sps[jnp.clip(padded, 0, sps.shape[0] - 1)]
     expected = scheduler.expected_tokens(conf, lengths, active=row_valid) * rate / time_scale[0]
     probe_round = time_scale[0] / sps[jnp.clip(n_active, 0, sps.shape[0] - 1)]  # drafts, verifies none
@@ -758,7 +753,7 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     hist = state.conf_hist[1][rows]
     lengths = jnp.where(row_valid & gate, _policy_lengths(policy, conf, hist, sps, row_valid, G), 0)
     if fill and policy.kind in ("dspark", "dspark-async"):  # the padded batch's free room (lossless)
-        lengths = scheduler.fill_to_bucket(conf, lengths, jnp.asarray(BUCKETS, jnp.int32), active=row_valid & gate)
+        lengths = scheduler.fill_to_bucket(conf, lengths, BUCKETS, active=row_valid & gate)
     # Caps that never look at the drafts: the request's remaining budget and the slot's capacity.
     remaining = state.max_new[rows] - state.generated[rows]
     lengths = jnp.clip(lengths, 0, jnp.minimum(remaining - 1, capacity - ctx_len - 1))

@@ -492,16 +492,16 @@ def _forced_table(cost: CostModel, kind: str, tokens: int | None = None) -> SPST
     C, R = len(cost.context_lengths), len(cost.rows)
     slow = [[1e3] * R for _ in range(C)]
     zeros = [[0.0] * R for _ in range(C)]
-    none = dict(overhead_s=None, overhead_spread_s=None, draft_overhead_s=None, draft_overhead_spread_s=None)
+    cost = cost.without_overhead()
     if kind == "drafting":
         flat = float(np.nanmin(cost.filled_verify()[0]))
         limit = cost.max_tokens if tokens is None else int(tokens)
         price = [flat if b <= limit else 1e3 for b in cost.batch_tokens]
         verify = [[[None if v is None else price[t] for t, v in enumerate(row)] for row in ctx]
                   for ctx in cost.verify_s]
-        forced = dataclasses.replace(cost, verify_s=verify, plain_s=slow, plain_spread_s=zeros, **none)
+        forced = dataclasses.replace(cost, verify_s=verify, plain_s=slow, plain_spread_s=zeros)
     else:
-        forced = dataclasses.replace(cost, draft_s=slow, **none)
+        forced = dataclasses.replace(cost, draft_s=slow)
     return SPSTable(sps_points(forced, forced.context_lengths[0]), cost_model=forced)
 
 
@@ -549,8 +549,7 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
         raise ValueError(f"rounds >= 1 and warmup >= 0 expected, got {rounds} and {warmup}")
     if drafter.cfg.block != cost.block:
         raise ValueError(f"drafter block {drafter.cfg.block} differs from the cost model's block {cost.block}")
-    base = dataclasses.replace(cost, overhead_s=None, overhead_spread_s=None, draft_overhead_s=None,
-                               draft_overhead_spread_s=None)
+    base = cost.without_overhead()
     measure = tuple(sorted(set(cost.rows if rows is None else (int(r) for r in rows))))
     if not measure or any(r not in cost.rows for r in measure):
         raise ValueError(f"rows {list(measure)} must be among the cost model's rows {list(cost.rows)}")
@@ -566,8 +565,9 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
     for R in tqdm(measure, disable=not progress, desc="round overhead", unit="row count"):
         # One engine per kind of round, stepped in turn, so that a host that drifts while this runs (a shared
         # machine) moves every kind alike and the ratios between them hold.
+        kinds = (0, *overhead_batches(cost, R))  # plain, then each padded batch
         engines = {}
-        for batch in (0, *overhead_batches(cost, R)):
+        for batch in kinds:
             engines[batch] = Engine(target, drafter, "dspark",
                                     EngineConfig(num_slots=R, capacity=capacity, temperature=temperature,
                                                  window_rule=cost.window_rule, gate_probe_every=10**9),
@@ -589,7 +589,7 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
                     padded, predicted = 0, base.plain_step_time(st.active, st.context)
                 samples.setdefault((R, padded), []).append(st.seconds - predicted)
         del engines
-        for batch in (0, *overhead_batches(cost, R)):
+        for batch in kinds:
             if not samples.get((R, batch)):
                 raise RuntimeError(f"round overhead: no steady {'drafting' if batch else 'plain'} round at R={R}"
                                    + (f", B={batch}" if batch else "") + f" in {attempts} rounds")
@@ -617,8 +617,8 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
             want = b * src // r  # the same drafts per row at the source row count
             at = next((x for x in measured if x >= want), measured[-1])
             by_batch[i][t], by_batch_spread[i][t] = stats(samples[(src, at)], floor[i, t])
-        full = max(t for t, b in enumerate(cost.batch_tokens) if b in mine) if mine else None
-        if full is not None:
+        if mine:  # the full block: the largest batch this row count verifies
+            full = cost.batch_tokens.index(mine[-1])
             overhead[0][i], spread[0][i] = by_batch[i][full], by_batch_spread[i][full]
         else:  # no drafting round fits this row count in the profile
             overhead[0][i], spread[0][i] = stats(samples[(src, measured[-1])], fastest[0, i])

@@ -50,6 +50,7 @@ __all__ = [
     "schedule",
     "capacity",
     "top_k_lengths",
+    "padded_batch",
     "fill_to_bucket",
     "expected_tokens",
     "check_inputs",
@@ -334,6 +335,14 @@ def top_k_lengths(confidences: jax.Array, k: jax.Array, *, active: jax.Array | N
     return stage(0)
 
 
+def padded_batch(batch: jax.Array, buckets: jax.Array) -> jax.Array:
+    """The smallest of ``buckets`` (int [U], increasing) that holds ``batch`` tokens, or ``batch`` itself
+    beyond the last: ``llama.bucket_for`` for traced values (int32 [])."""
+    buckets = jnp.asarray(buckets, jnp.int32)
+    at = jnp.searchsorted(buckets, batch, side="left")
+    return jnp.where(at < buckets.shape[0], buckets[jnp.clip(at, 0, buckets.shape[0] - 1)], batch).astype(jnp.int32)
+
+
 @jax.jit
 def fill_to_bucket(confidences: jax.Array, lengths: jax.Array, buckets: jax.Array, *,
                    active: jax.Array | None = None) -> jax.Array:
@@ -370,11 +379,7 @@ def fill_to_bucket(confidences: jax.Array, lengths: jax.Array, buckets: jax.Arra
     lengths = jnp.asarray(lengths, jnp.int32)
     r_act = _active_count(active, confidences.shape[0])
     drafts = jnp.sum(jnp.where(active, lengths, 0) if active is not None else lengths, dtype=jnp.int32)
-    buckets = jnp.asarray(buckets, jnp.int32)
-    batch = r_act + drafts
-    at = jnp.searchsorted(buckets, batch, side="left")
-    padded = jnp.where(at < buckets.shape[0], buckets[jnp.clip(at, 0, buckets.shape[0] - 1)], batch)
-    k = jnp.where(drafts > 0, padded - r_act, 0)
+    k = jnp.where(drafts > 0, padded_batch(r_act + drafts, buckets) - r_act, 0)
     return jnp.maximum(lengths, top_k_lengths(confidences, k, active=active))
 
 

@@ -487,8 +487,7 @@ class CostModel:
     def fastest_round_s(self) -> np.ndarray:
         """The fastest modeled round of each kind at each row count, over every context and batch, before any
         overhead: float64 [2, R] (drafting round: draft + verification, plain round)."""
-        verify, draft = self.filled_verify()[0], np.asarray(self.draft_s, np.float64)
-        return np.stack([(verify.min(axis=2) + draft).min(axis=0), self.plain_grid().min(axis=0)])
+        return np.stack([self.drafting_rounds_s().min(axis=(0, 2)), self.plain_grid().min(axis=0)])
 
     def drafting_rounds_s(self) -> np.ndarray:
         """Draft plus verification seconds, before any overhead, at every measured (filled) grid cell:
@@ -507,12 +506,14 @@ class CostModel:
             return out
         for r in range(R):
             have = [t for t in range(T) if cells[r][t] is not None]
-            for t in range(T):
-                if not have:
-                    break
-                src = next((u for u in have if u >= t), have[-1])
-                out[r, t] = cells[r][src]
+            if have:
+                out[r] = [cells[r][next((u for u in have if u >= t), have[-1])] for t in range(T)]
         return out
+
+    def without_overhead(self) -> "CostModel":
+        """The same cost model with no engine-round overhead (the programs alone)."""
+        return dataclasses.replace(self, overhead_s=None, overhead_spread_s=None, draft_overhead_s=None,
+                                   draft_overhead_spread_s=None)
 
     def drafting_grid(self, interpolation: str = "linear") -> np.ndarray:
         """Verification plus the drafting round's overhead for every batch ``b = 0..max_tokens``: float64

@@ -612,5 +612,4 @@ def test_add_overhead_extends_a_table_in_place(tiny_profile, tmp_path):
     for r, R in enumerate(cm.rows):
         have = {b for t, b in enumerate(cm.batch_tokens) if cm.draft_overhead_s[r][t] is not None}
         assert have == set(profiling.overhead_batches(cm, R)) and have
-    none = dict(overhead_s=None, overhead_spread_s=None, draft_overhead_s=None, draft_overhead_spread_s=None)
-    assert dataclasses.replace(cm, **none) == dataclasses.replace(table.cost_model, **none)
+    assert cm.without_overhead() == table.cost_model.without_overhead()
