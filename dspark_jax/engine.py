@@ -111,7 +111,7 @@ def parse_policy(text: str) -> Policy:
                      f"(K an integer >= 0, C a number in [0, 1])")
 
 
-GATE_EMA = 0.5  # weight of the newest round in the per-request confidence average the drafter gate reads
+GATE_EMA = 0.2  # weight of the newest drafted round in the per-request survival average the drafter gate reads
 GLOBAL_EMA = 0.3  # weight of the newest round in the engine-wide average (a new request's starting point)
 TIME_EMA = 0.1  # weight of the newest round in the measured correction of the cost model's round times
 
@@ -126,12 +126,13 @@ class EngineConfig:
     # yet takes as its stale confidences (dspark-async) and average (the gate); the average then follows
     # the drafted rounds.
     prior_confidence: float = 0.7
-    # The dspark policies' drafter gate: after this many consecutive rounds without drafting, draft once to
-    # refresh the confidence estimates it decides on (a decision made from counters alone: lossless).
-    gate_probe_every: int = 32
-    # ... and at least as many rounds as keep the probes' extra cost (a drafting round that verifies nothing,
-    # against a plain round, from the cost model) under this share of the time: at high load a probe costs
-    # several plain rounds, so it comes less often.
+    # The dspark policies' drafter gate: after skipped rounds, draft once to refresh the estimates it decides
+    # on (a decision made from counters and earlier rounds alone: lossless). At least this many rounds apart...
+    gate_probe_every: int = 2
+    # ... and at least as many as keep the probes' expected loss (a drafting round's time times the share of
+    # plain decoding's throughput it is expected to lose, from the cost model and the same estimates) under
+    # this share of the time: near break-even a probe costs little and comes often; at high load a probe
+    # loses most of a round that costs several plain ones, so it comes rarely.
     gate_probe_budget: float = 0.02
     # ... and drafts only when the schedule's expected throughput beats plain decoding by this share: the
     # cost model's drafting/plain ratio moves by up to ~10% between measurements on a shared 2-core host,
@@ -167,9 +168,10 @@ class EngineState:
     generated: jax.Array  # int32 [S] tokens emitted so far
     max_new: jax.Array  # int32 [S]
     conf_hist: jax.Array  # float32 [2, S, G] calibrated confidences of the last two rounds (0 = latest)
-    conf_ema: jax.Array  # float32 [S, G] per-request average of calibrated confidences over drafted rounds
+    conf_ema: jax.Array  # float32 [S, G] per-request average survival (cumulative product of calibrated
+    #                      confidences) per position over drafted rounds: the gate's estimate
     skipped: jax.Array  # int32 [] consecutive rounds that skipped the drafter
-    conf_global: jax.Array  # float32 [G] engine-wide average confidences (what a new request starts from)
+    conf_global: jax.Array  # float32 [G] engine-wide average survival per position (a new request's start)
 
     def replace(self, **kw) -> "EngineState":
         return dataclasses.replace(self, **kw)
@@ -321,6 +323,9 @@ class Engine:
         self.on_token: Callable[[int, int], None] | None = None
 
     # ------------------------------------------------------------------------------------------------ state
+    def _prior_survival(self) -> jax.Array:
+        return jnp.cumprod(jnp.full((self.G,), self.cfg.prior_confidence, jnp.float32))
+
     def _init_state(self) -> EngineState:
         c, S = self.cfg, self.cfg.num_slots
         cache = self.target.init_cache(S, c.capacity)
@@ -329,8 +334,8 @@ class Engine:
             cache=cache, dcache=dcache, anchor=jnp.zeros(S, jnp.int32), active=jnp.zeros(S, bool),
             request=jnp.zeros(S, jnp.int32), generated=jnp.zeros(S, jnp.int32), max_new=jnp.zeros(S, jnp.int32),
             conf_hist=jnp.full((2, S, self.G), c.prior_confidence, jnp.float32),
-            conf_ema=jnp.full((S, self.G), c.prior_confidence, jnp.float32), skipped=jnp.int32(0),
-            conf_global=jnp.full((self.G,), c.prior_confidence, jnp.float32),
+            conf_ema=jnp.broadcast_to(self._prior_survival(), (S, self.G)), skipped=jnp.int32(0),
+            conf_global=self._prior_survival(),
         )
 
     # ------------------------------------------------------------------------------------------------ requests
@@ -452,8 +457,7 @@ class Engine:
                 break
             R = min(2 * R, S)
         # The drafter gate's state starts afresh (warm-up rounds had no requests).
-        self.state = self.state.replace(skipped=jnp.int32(0),
-                                        conf_global=jnp.full((G,), self.cfg.prior_confidence, jnp.float32))
+        self.state = self.state.replace(skipped=jnp.int32(0), conf_global=self._prior_survival())
         self._gate_closed = False
         jax.block_until_ready(self.state)
         return shapes
@@ -642,9 +646,16 @@ def _admit_slot(state, slot, request, first, max_new, live):
         request=state.request.at[slot].set(request),
         generated=state.generated.at[slot].set(1),
         max_new=state.max_new.at[slot].set(max_new),
-        conf_hist=state.conf_hist.at[:, slot].set(state.conf_global),
+        conf_hist=state.conf_hist.at[:, slot].set(_conditional(state.conf_global)),
         conf_ema=state.conf_ema.at[slot].set(state.conf_global),
     )
+
+
+def _conditional(survival):
+    """Per-position confidences whose running product is ``survival`` [..., G] (non-increasing in the last
+    axis): ``c_k = S_k / S_{k-1}``, 0 after a zero survival."""
+    prev = jnp.concatenate([jnp.ones_like(survival[..., :1]), survival[..., :-1]], axis=-1)
+    return jnp.where(prev > 0, survival / jnp.where(prev > 0, prev, 1.0), 0.0)
 
 
 def _device_rows(active, R):
@@ -689,12 +700,18 @@ def _after_round(cost, time_scale, state: EngineState, n_active, longest, batch_
 
 def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_every: int, probe_budget: float,
                    fill: bool, margin: float):
-    """The drafter gate: expected tokens/s of the schedule on each request's average confidences over its
-    earlier drafted rounds (known before this round's drafts exist, so the decision cannot bias them), with
-    the drafter's cost, against plain decoding without it; or a probe after ``probe_every`` skipped rounds,
-    and at least as many as keep a probe's extra cost below ``probe_budget`` of the time. The drafting
-    round is priced at the padded batch the engine would run (with ``fill``, the schedule filled to it), and
-    must promise ``1 + margin`` times plain decoding's throughput.
+    """The drafter gate: expected tokens/s of the schedule on each request's average survival per position
+    over its earlier drafted rounds (known before this round's drafts exist, so the decision cannot bias
+    them), with the drafter's cost, against plain decoding without it. The drafting round is priced at the
+    padded batch the engine would run (with ``fill``, the schedule filled to it), and must promise
+    ``1 + margin`` times plain decoding's throughput.
+
+    Averages move only in drafted rounds, so a closed gate would keep an estimate that one unlucky stretch
+    pushed down: it probes (drafts anyway) after ``probe_every`` skipped rounds, and after as many more as
+    keep the probes' expected loss under ``probe_budget`` of the time. A probe's expected loss, in plain
+    rounds, is the drafting round's time over a plain round's times the share of throughput it is expected
+    to lose, ``(t_draft / t_plain) * (1 - expected / plain)``: next to nothing near break-even (probe
+    often, where the decision is uncertain), most of a costly round at high load (probe rarely).
     Round times are the cost model's, times the engine's measured corrections ``time_scale`` [2] (drafting
     round, plain round). Returns the decision and the cost model's steps/s curve [N] for the rows' requests
     and longest context (what the schedule reads)."""
@@ -703,32 +720,31 @@ def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_
     sps = sps_from_cost(cost, jnp.maximum(n_active, 1), longest)
     plain_round = time_scale[1] / plain_sps_from_cost(cost, jnp.maximum(n_active, 1), longest)  # seconds
     plain = n_active.astype(jnp.float32) / plain_round
-    conf = state.conf_ema[rows]
+    conf = _conditional(state.conf_ema[rows])  # the schedule of the average survival
     lengths = scheduler.schedule(conf, sps, active=row_valid).lengths
     if fill:
         lengths = scheduler.fill_to_bucket(conf, lengths, BUCKETS, active=row_valid)
     padded = scheduler.padded_batch(n_active + jnp.sum(lengths), BUCKETS)
-    rate = sps[jnp.clip(padded, 0, sps.shape[0] - 1)]
-    expected = scheduler.expected_tokens(conf, lengths, active=row_valid) * rate / time_scale[0]
-    probe_round = time_scale[0] / sps[jnp.clip(n_active, 0, sps.shape[0] - 1)]  # drafts, verifies none
-    wait = jnp.ceil((probe_round - plain_round) / (probe_budget * plain_round))
-    return (expected > plain * (1.0 + margin)) | (state.skipped >= jnp.maximum(probe_every, wait)), sps
+    draft_round = time_scale[0] / sps[jnp.clip(padded, 0, sps.shape[0] - 1)]
+    expected = scheduler.expected_tokens(conf, lengths, active=row_valid) / draft_round
+    gain = expected / jnp.maximum(plain, 1e-30)
+    loss = draft_round / plain_round * jnp.maximum(1.0 - gain, 0.0)  # a probe's expected loss, in plain rounds
+    wait = jnp.maximum(probe_every, jnp.ceil(loss / probe_budget))
+    return (gain > 1.0 + margin) | (state.skipped >= wait), sps
 
 
 @functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity", "probe_every",
                                              "probe_budget", "fill", "margin"))
 def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, time_scale, temperature, *,
                         seed: int, capacity: int, R: int, policy: Policy, greedy: bool, context: int,
-                        probe_every: int = 32, probe_budget: float = 0.02, fill: bool = True,
+                        probe_every: int = 2, probe_budget: float = 0.02, fill: bool = True,
                         margin: float = 0.0) -> DraftOut:
     """Draft a block for the first R rows, compute calibrated confidences, apply the policy.
 
-    With a cost model, the ``dspark`` policies first decide whether drafting pays at all this round: the
-    expected throughput of the schedule on each request's average confidences over its earlier drafted rounds
-    (known before this round's drafts exist, so the decision cannot bias them) with the drafter's cost,
-    against plain decoding without it. A busy engine whose drafts would not pay for the drafter skips it (a
-    `lax.cond`); after ``probe_every`` skipped rounds in a row (more where a probe is expensive, see
-    ``EngineConfig.gate_probe_budget``) it drafts once to refresh the averages.
+    With a cost model, the ``dspark`` policies first decide whether drafting pays at all this round
+    (:func:`_drafting_pays`, from each request's survival averages over its earlier drafted rounds, which
+    cannot depend on this round's drafts). A busy engine whose drafts would not pay for the drafter skips it
+    (a `lax.cond`), drafting now and then to refresh the averages.
     """
     drafter = nnx.merge(graph, dstate)
     G = drafter.cfg.block
@@ -837,9 +853,10 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, dr
     else:  # a round that skipped the drafter keeps the history it decided on
         new = hist.at[1].set(hist[0]).at[0, write].set(conf, mode="drop")
         hist = jnp.where(drafted, new, hist)
-        avg = ema.at[write].set(GATE_EMA * conf + (1 - GATE_EMA) * ema[rows], mode="drop")
+        surv = jnp.cumprod(conf, axis=1)
+        avg = ema.at[write].set(GATE_EMA * surv + (1 - GATE_EMA) * ema[rows], mode="drop")
         ema = jnp.where(drafted, avg, ema)
-        mean = jnp.sum(jnp.where(row_valid[:, None], conf, 0), 0) / jnp.maximum(jnp.sum(row_valid), 1)
+        mean = jnp.sum(jnp.where(row_valid[:, None], surv, 0), 0) / jnp.maximum(jnp.sum(row_valid), 1)
         glob = jnp.where(drafted & jnp.any(row_valid), GLOBAL_EMA * mean + (1 - GLOBAL_EMA) * glob, glob)
         skipped = jnp.where(drafted, 0, skipped + 1).astype(jnp.int32)
     new_state = state.replace(

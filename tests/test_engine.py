@@ -363,3 +363,39 @@ def test_expensive_probes_come_less_often(model, drafter):
     assert gaps[float("inf")] == 3 and gaps[2.0] > 3
     with pytest.raises(ValueError, match="gate_probe_budget"):
         eng.Engine(model, drafter, "dspark", eng.EngineConfig(gate_probe_budget=0.0), sps=table)
+
+
+def test_probes_are_spaced_by_their_expected_loss(model, drafter):
+    """A probe costs what drafting is expected to lose against plain decoding, not the drafting round's whole
+    extra time: the closer the survival estimate comes to the gate's bar, the sooner the closed gate probes
+    (at best after gate_probe_every rounds); an estimate of nothing waits for the round's whole extra cost."""
+    from dspark_jax.sps import plain_sps_from_cost, sps_from_cost
+
+    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=2),
+                   sps=synthetic_cost_table(draft_cost=0.01), stop_ids=[])
+    state = e.state.replace(active=e.state.active.at[0].set(True))
+    rows, valid = eng._device_rows(state.active, 1)
+    ts = jnp.ones(2, jnp.float32)
+
+    @jax.jit
+    def wait(p):  # skipped rounds before the gate opens, for survival p, p^2, ... at every position
+        st = state.replace(conf_ema=state.conf_ema.at[0].set(p ** jnp.arange(1, e.G + 1)))
+        opens = jax.vmap(lambda k: eng._drafting_pays(e.cost, st.replace(skipped=k), rows, valid, ts, 2, 0.02,
+                                                      True, 0.05)[0])(jnp.arange(4096, dtype=jnp.int32))
+        return jnp.argmax(opens)
+
+    waits = [int(wait(p)) for p in np.linspace(0.0, 1.0, 21)]
+    assert waits == sorted(waits, reverse=True) and waits[-1] == 0, waits
+    assert 2 in waits, waits  # just below the bar: the floor
+    t_draft = 1 / sps_from_cost(e.cost, 1, 0)[int(scheduler.padded_batch(jnp.int32(1), eng.BUCKETS))]
+    t_plain = 1 / plain_sps_from_cost(e.cost, 1, 0)
+    assert waits[0] == max(2, int(np.ceil(float(t_draft / t_plain - 1) / 0.02 - 1e-4))), waits
+
+
+def test_gate_averages_survival_not_confidences():
+    """The gate's estimate is the average survival (unbiased for expected tokens whatever the correlation of
+    a round's confidences); the schedule reads it back as per-position confidences."""
+    surv = jnp.array([[0.8, 0.4, 0.4, 0.0], [1.0, 0.5, 0.25, 0.125]], jnp.float32)
+    np.testing.assert_allclose(eng._conditional(surv), [[0.8, 0.5, 1.0, 0.0], [1.0, 0.5, 0.5, 0.5]])
+    np.testing.assert_allclose(jnp.cumprod(eng._conditional(surv), axis=1), surv)
+    assert not np.any(np.isnan(eng._conditional(jnp.zeros((1, 4)))))
