@@ -113,6 +113,8 @@ def parse_policy(text: str) -> Policy:
 
 GATE_EMA = 0.2  # weight of the newest drafted round in the per-request survival average the drafter gate reads
 GLOBAL_EMA = 0.3  # weight of the newest round in the engine-wide average (a new request's starting point)
+ACCEPT_DECAY = 0.98  # per drafted round: decay of the accepted-vs-predicted sums (memory ~50 rounds)
+ACCEPT_PRIOR = 4.0  # drafts: pseudo-count both sums start from (ratio 1 until the engine has seen some)
 TIME_EMA = 0.1  # weight of the newest round in the measured correction of the cost model's round times
 
 
@@ -172,6 +174,7 @@ class EngineState:
     #                      confidences) per position over drafted rounds: the gate's estimate
     skipped: jax.Array  # int32 [] consecutive rounds that skipped the drafter
     conf_global: jax.Array  # float32 [G] engine-wide average survival per position (a new request's start)
+    accept_seen: jax.Array  # float32 [2] decayed sums over drafted rounds of (predicted, accepted) drafts
 
     def replace(self, **kw) -> "EngineState":
         return dataclasses.replace(self, **kw)
@@ -335,7 +338,7 @@ class Engine:
             request=jnp.zeros(S, jnp.int32), generated=jnp.zeros(S, jnp.int32), max_new=jnp.zeros(S, jnp.int32),
             conf_hist=jnp.full((2, S, self.G), c.prior_confidence, jnp.float32),
             conf_ema=jnp.broadcast_to(self._prior_survival(), (S, self.G)), skipped=jnp.int32(0),
-            conf_global=self._prior_survival(),
+            conf_global=self._prior_survival(), accept_seen=jnp.full((2,), ACCEPT_PRIOR, jnp.float32),
         )
 
     # ------------------------------------------------------------------------------------------------ requests
@@ -457,7 +460,8 @@ class Engine:
                 break
             R = min(2 * R, S)
         # The drafter gate's state starts afresh (warm-up rounds had no requests).
-        self.state = self.state.replace(skipped=jnp.int32(0), conf_global=self._prior_survival())
+        self.state = self.state.replace(skipped=jnp.int32(0), conf_global=self._prior_survival(),
+                                        accept_seen=jnp.full((2,), ACCEPT_PRIOR, jnp.float32))
         self._gate_closed = False
         jax.block_until_ready(self.state)
         return shapes
@@ -706,6 +710,10 @@ def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_
     padded batch the engine would run (with ``fill``, the schedule filled to it), and must promise
     ``1 + margin`` times plain decoding's throughput.
 
+    The expected accepted drafts are scaled by what verification accepted per predicted draft in the
+    engine's recent drafted rounds (``accept_seen``): calibrated on held-out prompts, the confidences can
+    still run high or low on the prompts being served, and the gate decides on their sum.
+
     Averages move only in drafted rounds, so a closed gate would keep an estimate that one unlucky stretch
     pushed down: it probes (drafts anyway) after ``probe_every`` skipped rounds, and after as many more as
     keep the probes' expected loss under ``probe_budget`` of the time. A probe's expected loss, in plain
@@ -726,7 +734,9 @@ def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_
         lengths = scheduler.fill_to_bucket(conf, lengths, BUCKETS, active=row_valid)
     padded = scheduler.padded_batch(n_active + jnp.sum(lengths), BUCKETS)
     draft_round = time_scale[0] / sps[jnp.clip(padded, 0, sps.shape[0] - 1)]
-    expected = scheduler.expected_tokens(conf, lengths, active=row_valid) / draft_round
+    drafts = scheduler.expected_tokens(conf, lengths, active=row_valid) - n_active  # expected accepted drafts
+    realised = state.accept_seen[1] / state.accept_seen[0]  # what verification accepted per predicted draft
+    expected = (n_active + realised * drafts) / draft_round
     gain = expected / jnp.maximum(plain, 1e-30)
     loss = draft_round / plain_round * jnp.maximum(1.0 - gain, 0.0)  # a probe's expected loss, in plain rounds
     wait = jnp.maximum(probe_every, jnp.ceil(loss / probe_budget))
@@ -848,6 +858,7 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, dr
         dcache = dr.write_context(drafter, dcache, extras.taps, slots, positions, valid)
     write = jnp.where(row_valid, rows, state.anchor.shape[0])  # padding rows write nothing
     hist, ema, skipped, glob = state.conf_hist, state.conf_ema, state.skipped, state.conf_global
+    accept_seen = state.accept_seen
     if not drafting:
         drafted = jnp.bool_(False)
     else:  # a round that skipped the drafter keeps the history it decided on
@@ -859,8 +870,14 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, dr
         mean = jnp.sum(jnp.where(row_valid[:, None], surv, 0), 0) / jnp.maximum(jnp.sum(row_valid), 1)
         glob = jnp.where(drafted & jnp.any(row_valid), GLOBAL_EMA * mean + (1 - GLOBAL_EMA) * glob, glob)
         skipped = jnp.where(drafted, 0, skipped + 1).astype(jnp.int32)
+        verified = jnp.arange(G)[None, :] < lengths[:, None]  # [R, G]
+        predicted = jnp.sum(jnp.where(verified & row_valid[:, None], surv, 0.0))
+        got = jnp.sum(jnp.where(row_valid, n_acc, 0)).astype(jnp.float32)
+        seen = ACCEPT_DECAY * state.accept_seen + jnp.stack([predicted, got])
+        accept_seen = jnp.where(drafted & (predicted > 0), seen, state.accept_seen)
     new_state = state.replace(
         cache=cache, dcache=dcache, conf_hist=hist, conf_ema=ema, skipped=skipped, conf_global=glob,
+        accept_seen=accept_seen,
         anchor=state.anchor.at[write].set(nxt, mode="drop"),
         generated=state.generated.at[write].add(counts, mode="drop"),
         active=state.active.at[write].set(~finished, mode="drop"),

@@ -399,3 +399,22 @@ def test_gate_averages_survival_not_confidences():
     np.testing.assert_allclose(eng._conditional(surv), [[0.8, 0.5, 1.0, 0.0], [1.0, 0.5, 0.5, 0.5]])
     np.testing.assert_allclose(jnp.cumprod(eng._conditional(surv), axis=1), surv)
     assert not np.any(np.isnan(eng._conditional(jnp.zeros((1, 4)))))
+
+
+def test_gate_scales_expected_drafts_by_what_verification_accepted(model, drafter):
+    """Confidences that ran high on the served prompts (verification accepted less than they predicted in
+    recent drafted rounds) lower the gate's estimate; the sums follow the drafted rounds."""
+    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000),
+                   sps=synthetic_cost_table(draft_cost=0.0), stop_ids=[])
+    state = e.state.replace(active=e.state.active.at[0].set(True), conf_ema=e.state.conf_ema.at[0].set(1.0))
+    rows, valid = eng._device_rows(state.active, 1)
+
+    def gate(seen):
+        st = state.replace(accept_seen=jnp.asarray(seen, jnp.float32))
+        return bool(eng._drafting_pays(e.cost, st, rows, valid, jnp.ones(2), 1000, 0.02, True, 0.05)[0])
+
+    assert gate([4.0, 4.0]) and not gate([4.0, 0.0])
+    e.run(prompts(2, seed=8), 12)
+    predicted, accepted = np.asarray(e.state.accept_seen)
+    assert any(r.drafted for r in e.rounds) and predicted != eng.ACCEPT_PRIOR
+    assert 0 <= accepted <= predicted + sum(int(r.accepted.sum()) for r in e.rounds)
