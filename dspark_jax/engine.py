@@ -718,8 +718,10 @@ def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_
     pushed down: it probes (drafts anyway) after ``probe_every`` skipped rounds, and after as many more as
     keep the probes' expected loss under ``probe_budget`` of the time. A probe's expected loss, in plain
     rounds, is the drafting round's time over a plain round's times the share of throughput it is expected
-    to lose, ``(t_draft / t_plain) * (1 - expected / plain)``: next to nothing near break-even (probe
-    often, where the decision is uncertain), most of a costly round at high load (probe rarely).
+    to lose, with the expected gain discounted by the margin (the same distrust of the estimates that keeps
+    the gate closed below ``1 + margin``): ``(t_draft / t_plain) * (1 + margin - expected / plain)``. Small
+    near the bar (probe often, where the decision is uncertain), most of a costly round at high load (probe
+    rarely).
     Round times are the cost model's, times the engine's measured corrections ``time_scale`` [2] (drafting
     round, plain round). Returns the decision and the cost model's steps/s curve [N] for the rows' requests
     and longest context (what the schedule reads)."""
@@ -738,7 +740,8 @@ def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_
     realised = state.accept_seen[1] / state.accept_seen[0]  # what verification accepted per predicted draft
     expected = (n_active + realised * drafts) / draft_round
     gain = expected / jnp.maximum(plain, 1e-30)
-    loss = draft_round / plain_round * jnp.maximum(1.0 - gain, 0.0)  # a probe's expected loss, in plain rounds
+    # a probe's expected loss, in plain rounds, its gain discounted by the margin (the estimates' distrust)
+    loss = draft_round / plain_round * jnp.maximum(1.0 + margin - gain, 0.0)
     wait = jnp.maximum(probe_every, jnp.ceil(loss / probe_budget))
     return (gain > 1.0 + margin) | (state.skipped >= wait), sps
 

@@ -368,7 +368,8 @@ def test_expensive_probes_come_less_often(model, drafter):
 def test_probes_are_spaced_by_their_expected_loss(model, drafter):
     """A probe costs what drafting is expected to lose against plain decoding, not the drafting round's whole
     extra time: the closer the survival estimate comes to the gate's bar, the sooner the closed gate probes
-    (at best after gate_probe_every rounds); an estimate of nothing waits for the round's whole extra cost."""
+    (at best after gate_probe_every rounds); an estimate of nothing waits for the round's whole extra cost
+    (and the 5% margin by which the gate distrusts its estimates)."""
     from dspark_jax.sps import plain_sps_from_cost, sps_from_cost
 
     e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=2),
@@ -384,12 +385,12 @@ def test_probes_are_spaced_by_their_expected_loss(model, drafter):
                                                       True, 0.05)[0])(jnp.arange(4096, dtype=jnp.int32))
         return jnp.argmax(opens)
 
-    waits = [int(wait(p)) for p in np.linspace(0.0, 1.0, 21)]
+    waits = [int(wait(p)) for p in np.linspace(0.0, 1.0, 201)]
     assert waits == sorted(waits, reverse=True) and waits[-1] == 0, waits
     assert 2 in waits, waits  # just below the bar: the floor
     t_draft = 1 / sps_from_cost(e.cost, 1, 0)[int(scheduler.padded_batch(jnp.int32(1), eng.BUCKETS))]
     t_plain = 1 / plain_sps_from_cost(e.cost, 1, 0)
-    assert waits[0] == max(2, int(np.ceil(float(t_draft / t_plain - 1) / 0.02 - 1e-4))), waits
+    assert waits[0] == max(2, int(np.ceil(float(1.05 * t_draft / t_plain - 1) / 0.02 - 1e-4))), waits
 
 
 def test_gate_averages_survival_not_confidences():
