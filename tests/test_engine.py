@@ -230,11 +230,11 @@ def test_dspark_rounds_fill_the_padded_batch(model, drafter):
     """The dspark policies verify the next-ranked drafts in the room the padded batch leaves (free: the
     bucket is computed anyway), lossless with the fill on and off."""
     ps = prompts(4, seed=21)
-    ref, _ = plain_generate(model, ps, 30, 0.0, num_slots=4, stop_ids=[], capacity=128)
+    ref, _ = plain_generate(model, ps, 30, 0.0, num_slots=4, stop_ids=[], capacity=64)
     share = {}
     for fill in (True, False):
-        for policy in ("dspark", "dspark-async"):
-            e = eng.Engine(model, drafter, policy, eng.EngineConfig(num_slots=4, capacity=128, fill_buckets=fill),
+        for policy in ("dspark", "dspark-async"):  # the shapes of the other gate tests: programs shared
+            e = eng.Engine(model, drafter, policy, eng.EngineConfig(num_slots=4, capacity=64, fill_buckets=fill),
                            sps=synthetic_cost_table(), stop_ids=[])
             assert [c.output_ids for c in e.run(ps, 30)] == [r.output_ids for r in ref], (policy, fill)
             # rounds with drafts and every request far from its limit (no cap shortened a row)
