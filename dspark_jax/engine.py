@@ -438,6 +438,7 @@ class Engine:
                                             fill=self.cfg.fill_buckets, margin=self.cfg.gate_margin)
             else:
                 d = None
+            self._round_conf(None, R)  # the arrays a round that skips the draft program passes
             conf, drafted_arr = self._round_conf(d, R)
             lo = R // 2 + 1
             hi = R * (G + 1) if drafting else R
