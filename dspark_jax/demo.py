@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-from dspark_jax.drafters import resolve_drafter
+from dspark_jax.drafters import prior_confidence, resolve_drafter
 from dspark_jax.engine import Engine, EngineConfig, parse_policy
 from dspark_jax.models.llama import LlamaModel
 from dspark_jax.serving import closed_loop, mixed_prompts, shipped_prompts_dir
@@ -33,6 +33,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     model = LlamaModel.from_gguf()
     drafter, meta, temps, path = resolve_drafter("dspark", target_cfg=model.cfg)
+    prior = prior_confidence(path, EngineConfig.prior_confidence)
     sps = default_sps_table()
     tok = model.tokenizer
     prompts = mixed_prompts(tok, shipped_prompts_dir(), max_prompt_tokens=256)
@@ -42,7 +43,7 @@ def main(argv=None):
     print(f"target SmolLM2-135M-Instruct ({info['backend']}, {info['host']}), drafter {path.name} "
           f"(G={G}, {drafter.cfg.head} head), SPS table up to B={sps.max_tokens}\n")
 
-    engine = Engine(model, drafter, "dspark", EngineConfig(num_slots=1, capacity=capacity), sts_temperatures=temps,
+    engine = Engine(model, drafter, "dspark", EngineConfig(num_slots=1, capacity=capacity, prior_confidence=prior), sts_temperatures=temps,
                     sps=sps)
     seen = set()
     for domain, ids in prompts:
@@ -72,7 +73,7 @@ def main(argv=None):
         for pol in ("none", "fixed:1", "fixed:3", "fixed:7", "dspark"):
             policy = parse_policy(pol)
             eng = Engine(model, drafter if policy.drafts else None, policy,
-                         EngineConfig(num_slots=n, capacity=capacity), sts_temperatures=temps, sps=sps)
+                         EngineConfig(num_slots=n, capacity=capacity, prior_confidence=prior), sts_temperatures=temps, sps=sps)
             res = closed_loop(eng, ids_only, n, args.max_new_tokens, warmup_rounds=4, measure_rounds=args.rounds,
                               min_window_tokens=args.min_window_tokens)
             point.append({"concurrency": n, "policy": pol, "tokens_per_s": res.tokens_per_s,

@@ -45,3 +45,23 @@ def resolve_drafter(spec: str | None = None, *, target_cfg=None) -> tuple[Drafte
     sts = path / "sts.json"
     temps = load_temperatures(sts) if sts.is_file() else None
     return drafter, meta, temps, path
+
+
+def prior_confidence(path: Path, default: float) -> float:
+    """The engine's starting confidence per position for this drafter: the first draft's observed acceptance
+    on the rounds its STS temperatures were fitted on (``calibration.json`` beside the weights, written by
+    ``train.calibrate``), else ``default``. A fresh engine's gate then starts from what the drafter achieved
+    on held-out prompts instead of a guess (0.7 per position expected ~1.9 accepted drafts of a block where
+    the shipped drafter accepts ~0.5)."""
+    report = Path(path) / "calibration.json"
+    if not report.is_file():
+        return default
+    import json  # noqa: PLC0415
+
+    try:
+        value = float(json.loads(report.read_text())["per_position"][0]["conditional"])
+    except (KeyError, IndexError, TypeError, ValueError) as err:
+        raise ValueError(f"{report}: expected per_position[0].conditional, a number in (0, 1]") from err
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{report}: per_position[0].conditional = {value}, expected a number in (0, 1]")
+    return value

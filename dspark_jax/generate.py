@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from dspark_jax.drafters import resolve_drafter
+from dspark_jax.drafters import prior_confidence, resolve_drafter
 from dspark_jax.engine import Engine, EngineConfig, parse_policy
 from dspark_jax.models.gguf import MODEL_FILE
 from dspark_jax.models.llama import LlamaModel
@@ -67,8 +67,10 @@ def build_engine(model, args, max_prompt: int) -> Engine:
     """The engine for the command-line options (shared with the benchmark and the demo)."""
     policy = parse_policy(args.policy)
     drafter = temps = sps = None
+    prior = EngineConfig.prior_confidence
     if policy.drafts:
-        drafter, _, temps, _ = resolve_drafter(args.draft, target_cfg=model.cfg)
+        drafter, _, temps, path = resolve_drafter(args.draft, target_cfg=model.cfg)
+        prior = prior_confidence(path, prior)
     block = drafter.cfg.block if drafter is not None else 1
     if policy.kind in ("dspark", "dspark-async"):
         from dspark_jax.sps import default_sps_table, load_sps_table  # noqa: PLC0415
@@ -76,7 +78,8 @@ def build_engine(model, args, max_prompt: int) -> Engine:
         name = Path(args.model).name if args.model else MODEL_FILE
         sps = load_sps_table(args.sps, model=name, block=block) if args.sps else default_sps_table(model=name)
     capacity = -(-(max_prompt + args.max_new_tokens + block + 1) // 128) * 128
-    cfg = EngineConfig(num_slots=args.concurrency, capacity=capacity, temperature=args.temperature, seed=args.seed)
+    cfg = EngineConfig(num_slots=args.concurrency, capacity=capacity, temperature=args.temperature, seed=args.seed,
+                       prior_confidence=prior)
     return Engine(model, drafter, policy, cfg, sts_temperatures=temps, sps=sps)
 
 

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from dspark_jax.drafters import resolve_drafter
+from dspark_jax.drafters import prior_confidence, resolve_drafter
 from dspark_jax.engine import Engine, EngineConfig, parse_policy
 from dspark_jax.models.llama import LlamaModel
 from dspark_jax.plots import plot_serving
@@ -71,7 +71,8 @@ def main(argv=None):
 
     t_start = time.perf_counter()
     model = LlamaModel.from_gguf()
-    drafter, _, temps, _ = resolve_drafter(args.draft, target_cfg=model.cfg)
+    drafter, _, temps, path = resolve_drafter(args.draft, target_cfg=model.cfg)
+    prior = prior_confidence(path, EngineConfig.prior_confidence)
     table = load_sps_table(args.sps, model=MODEL_NAME, block=7) if args.sps else default_sps_table()
     prompts = [ids for _, ids in mixed_prompts(model.tokenizer, args.prompts, max_prompt_tokens=args.max_prompt_tokens,
                                               seed=args.seed)]
@@ -82,7 +83,7 @@ def main(argv=None):
 
     def engine_for(policy_text, n, temp):
         policy = parse_policy(policy_text)
-        cfg = EngineConfig(num_slots=n, capacity=capacity, temperature=temp, seed=args.seed)
+        cfg = EngineConfig(num_slots=n, capacity=capacity, temperature=temp, seed=args.seed, prior_confidence=prior)
         engine = Engine(model, drafter if policy.drafts else None, policy, cfg, sts_temperatures=temps, sps=table)
         engine.record_confidences = policy.drafts
         return engine

@@ -62,3 +62,18 @@ def test_shipped_dspark_drafter_is_lossless_and_accepts(target):
     active = sum(r.active for r in engine.rounds)
     accept_len = sum(int(r.accepted.sum()) + r.active for r in engine.rounds) / active
     assert accept_len > 1.3, accept_len
+
+
+def test_engine_prior_comes_from_the_drafters_calibration(tmp_path):
+    """The gate of a fresh engine starts from the first draft's acceptance on the calibration rounds."""
+    import json
+
+    from dspark_jax.drafters import prior_confidence, shipped_dir
+
+    report = json.loads((shipped_dir("dspark") / "calibration.json").read_text())
+    assert prior_confidence(shipped_dir("dspark"), 0.7) == report["per_position"][0]["conditional"] < 0.7
+    assert prior_confidence(tmp_path, 0.7) == 0.7  # no calibration report
+    for bad in ({"per_position": []}, {"per_position": [{"conditional": 1.5}]}):
+        (tmp_path / "calibration.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="per_position"):
+            prior_confidence(tmp_path, 0.7)
