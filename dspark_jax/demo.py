@@ -43,8 +43,8 @@ def main(argv=None):
     print(f"target SmolLM2-135M-Instruct ({info['backend']}, {info['host']}), drafter {path.name} "
           f"(G={G}, {drafter.cfg.head} head), SPS table up to B={sps.max_tokens}\n")
 
-    engine = Engine(model, drafter, "dspark", EngineConfig(num_slots=1, capacity=capacity, prior_confidence=prior), sts_temperatures=temps,
-                    sps=sps)
+    engine = Engine(model, drafter, "dspark", EngineConfig(num_slots=1, capacity=capacity, prior_confidence=prior),
+                    sts_temperatures=temps, sps=sps)
     seen = set()
     for domain, ids in prompts:
         if domain in seen:
@@ -73,7 +73,8 @@ def main(argv=None):
         for pol in ("none", "fixed:1", "fixed:3", "fixed:7", "dspark"):
             policy = parse_policy(pol)
             eng = Engine(model, drafter if policy.drafts else None, policy,
-                         EngineConfig(num_slots=n, capacity=capacity, prior_confidence=prior), sts_temperatures=temps, sps=sps)
+                         EngineConfig(num_slots=n, capacity=capacity, prior_confidence=prior),
+                         sts_temperatures=temps, sps=sps)
             res = closed_loop(eng, ids_only, n, args.max_new_tokens, warmup_rounds=4, measure_rounds=args.rounds,
                               min_window_tokens=args.min_window_tokens)
             point.append({"concurrency": n, "policy": pol, "tokens_per_s": res.tokens_per_s,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.resources
+import json
 from pathlib import Path
 
 import numpy as np
@@ -56,8 +57,6 @@ def prior_confidence(path: Path, default: float) -> float:
     report = Path(path) / "calibration.json"
     if not report.is_file():
         return default
-    import json  # noqa: PLC0415
-
     try:
         value = float(json.loads(report.read_text())["per_position"][0]["conditional"])
     except (KeyError, IndexError, TypeError, ValueError) as err:
