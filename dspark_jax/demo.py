@@ -17,7 +17,7 @@ import time
 from dspark_jax.drafters import prior_confidence, resolve_drafter
 from dspark_jax.engine import Engine, EngineConfig, parse_policy
 from dspark_jax.models.llama import LlamaModel
-from dspark_jax.serving import closed_loop, mixed_prompts, shipped_prompts_dir
+from dspark_jax.serving import interleaved, mixed_prompts, shipped_prompts_dir, window_tokens
 from dspark_jax.sps import default_sps_table
 from dspark_jax.timing import device_info, format_table
 
@@ -26,8 +26,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--min-window-tokens", type=int, default=32, help="a window also runs until this many tokens")
+    p.add_argument("--rounds", type=int, default=12,
+                   help="window length in plain-decoding rounds (rounds x N emitted tokens, the same for every policy)")
+    p.add_argument("--min-window-tokens", type=int, default=32, help="at least this many tokens per window")
+    p.add_argument("--repeats", type=int, default=2, help="windows per policy, the policies taking turns")
     p.add_argument("--skip-table", action="store_true")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -65,18 +67,24 @@ def main(argv=None):
               f"any compilation), accepted length {acc:.2f}\n")
     if args.skip_table:
         return
-    print("closed-loop throughput (steady rounds; rounds that compiled are excluded):")
+    print("closed-loop throughput (policies taking turns window by window, median over the windows; rounds that "
+          "compiled are excluded):")
     rows = []
     ids_only = [ids for _, ids in prompts]
+    policies = ("none", "fixed:1", "fixed:3", "fixed:7", "dspark")
     for n in args.concurrency:
-        point = []
-        for pol in ("none", "fixed:1", "fixed:3", "fixed:7", "dspark"):
+        engines = {}
+        for pol in policies:
             policy = parse_policy(pol)
-            eng = Engine(model, drafter if policy.drafts else None, policy,
-                         EngineConfig(num_slots=n, capacity=capacity, prior_confidence=prior),
-                         sts_temperatures=temps, sps=sps)
-            res = closed_loop(eng, ids_only, n, args.max_new_tokens, warmup_rounds=4, measure_rounds=args.rounds,
-                              min_window_tokens=args.min_window_tokens)
+            engines[pol] = Engine(model, drafter if policy.drafts else None, policy,
+                                  EngineConfig(num_slots=n, capacity=capacity, prior_confidence=prior),
+                                  sts_temperatures=temps, sps=sps)
+        results = interleaved(engines, ids_only, n, args.max_new_tokens, warmup_tokens=4 * n,
+                              window_tokens=window_tokens(n, args.rounds, args.min_window_tokens),
+                              repeats=args.repeats)
+        point = []
+        for pol in policies:
+            res = results[pol]
             point.append({"concurrency": n, "policy": pol, "tokens_per_s": res.tokens_per_s,
                           "accept_len": res.accept_len, "drafts_per_request": res.drafts_per_request})
             print(f"  N={n:3d} {pol:8s} {res.tokens_per_s:7.1f} tokens/s", flush=True)

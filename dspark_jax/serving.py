@@ -74,7 +74,7 @@ class LoadResult:
 
 class ClosedLoop:
     """``concurrency`` users against ``engine``, each sending its next prompt (in order, cycling) as soon as
-    its previous answer finished; :meth:`window` runs rounds and returns their stats.
+    its previous answer finished; :meth:`run_until` runs rounds and returns their stats.
     Several loops can take turns (the interleaved serving benchmark): each keeps its engine's state."""
 
     def __init__(self, engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int, max_new_tokens: int):
@@ -85,6 +85,7 @@ class ClosedLoop:
         self.engine, self.prompts, self.concurrency, self.max_new_tokens = engine, prompts, concurrency, max_new_tokens
         self._next = 0
         self.submitted = 0
+        self.emitted = 0  # tokens emitted since the loop started
 
     def _top_up(self) -> None:
         while self.submitted - len(self.engine.finished_ids) < self.concurrency:
@@ -92,31 +93,63 @@ class ClosedLoop:
             self._next = (self._next + 1) % len(self.prompts)
             self.submitted += 1
 
-    def window(self, rounds: int, min_tokens: int = 0) -> list[RoundStats]:
-        """Run at least ``rounds`` rounds and until at least ``min_tokens`` tokens were emitted."""
-        out, tokens = [], 0
-        while len(out) < rounds or tokens < min_tokens:
+    def run_until(self, total_tokens: int) -> list[RoundStats]:
+        """Run rounds until the loop has emitted ``total_tokens`` tokens since it started (at least one round).
+
+        Windows that end at the same emitted-token count pair up across loops: every loop sends the same
+        prompts in the same order, so (exactly so at temperature 0, decoding being lossless) window k of each
+        loop serves the same answers up to the tokens of one round, whatever the policy. Windows of a fixed
+        number of rounds would not: a policy that emits more tokens per round reaches later, longer-context
+        parts of the answers and more prompt prefills in its window, which moves its throughput by more
+        than the policies differ at high load."""
+        out = []
+        while not out or self.emitted < total_tokens:
             self._top_up()
             stats = self.engine.step()
             if stats is not None:
                 out.append(stats)
-                tokens += stats.emitted
+                self.emitted += stats.emitted
         return out
 
 
-def closed_loop(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int, max_new_tokens: int, *,
-                warmup_rounds: int, measure_rounds: int, repeats: int = 1, min_window_tokens: int = 0) -> LoadResult:
-    """Run ``concurrency`` users against ``engine`` (:class:`ClosedLoop`); measure ``repeats`` windows of at
-    least ``measure_rounds`` rounds and at least ``min_window_tokens`` emitted tokens each.
+def window_tokens(concurrency: int, rounds: int, min_tokens: int = 0) -> int:
+    """Tokens per measurement window: what ``rounds`` rounds of plain decoding emit at ``concurrency``
+    users, and at least ``min_tokens`` (a window at one user would otherwise time a few dozen tokens)."""
+    if concurrency < 1 or rounds < 1:
+        raise ValueError(f"window_tokens: expected concurrency >= 1 and rounds >= 1, got {concurrency}, {rounds}")
+    return max(concurrency * rounds, min_tokens)
 
-    The token floor keeps low-concurrency windows from timing a few dozen tokens of one answer: at one user a
-    window of 12 rounds would be 12 to 20 tokens. Rounds in which something compiled are excluded from the
-    throughput (their time is compile time).
-    """
-    loop = ClosedLoop(engine, prompts, concurrency, max_new_tokens)
-    loop.window(warmup_rounds)
-    windows = [loop.window(measure_rounds, min_window_tokens) for _ in range(repeats)]
-    return summarize_windows(windows, completed_requests=len(engine.finished_ids))
+
+def closed_loop(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int, max_new_tokens: int, *,
+                warmup_tokens: int, window_tokens: int, repeats: int = 1) -> LoadResult:
+    """Run ``concurrency`` users against ``engine`` (:class:`ClosedLoop`): warm up until ``warmup_tokens``
+    tokens came out, then measure ``repeats`` windows of ``window_tokens`` tokens each (window k ends at
+    ``warmup_tokens + (k + 1) * window_tokens`` emitted tokens). Rounds in which something compiled are
+    excluded from the throughput (their time is compile time)."""
+    return interleaved({"": engine}, prompts, concurrency, max_new_tokens, warmup_tokens=warmup_tokens,
+                       window_tokens=window_tokens, repeats=repeats)[""]
+
+
+def interleaved(engines: dict[str, Engine], prompts: Sequence[Sequence[int]], concurrency: int,
+                max_new_tokens: int, *, warmup_tokens: int, window_tokens: int,
+                repeats: int = 1) -> dict[str, LoadResult]:
+    """Closed loops over several engines (one per policy, say) taking turns window by window, in an order
+    rotated every repeat, so that a drift of the machine's speed lands on all of them alike; windows end at
+    the same emitted-token counts (:meth:`ClosedLoop.run_until`), so window k of every engine serves the
+    same prompts. Returns each engine's :class:`LoadResult`, whose ``repeats`` pair up across engines."""
+    if window_tokens < 1 or repeats < 1 or warmup_tokens < 0:
+        raise ValueError(f"expected window_tokens >= 1, repeats >= 1 and warmup_tokens >= 0, got "
+                         f"{window_tokens}, {repeats}, {warmup_tokens}")
+    names = list(engines)
+    loops = {k: ClosedLoop(e, prompts, concurrency, max_new_tokens) for k, e in engines.items()}
+    for loop in loops.values():
+        loop.run_until(warmup_tokens)
+    windows: dict[str, list[list[RoundStats]]] = {k: [] for k in names}
+    for i in range(repeats):
+        shift = i % len(names)
+        for k in names[shift:] + names[:shift]:
+            windows[k].append(loops[k].run_until(warmup_tokens + (i + 1) * window_tokens))
+    return {k: summarize_windows(windows[k], completed_requests=len(loops[k].engine.finished_ids)) for k in names}
 
 
 def summarize_windows(windows: Sequence[Sequence[RoundStats]], *, completed_requests: int = 0) -> LoadResult:

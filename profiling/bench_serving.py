@@ -7,7 +7,9 @@ Closed loop: N users each send their next prompt (math, code and chat mixed) whe
 finishes. For every concurrency, temperature and policy: total output tokens/s (median over repeated
 measurement windows, spread = half their range), tokens/s per user, accepted length, mean scheduled drafts per
 request per round and the share of verified drafts rejected; ratios against `none` and the best fixed K of
-the same run. Rounds that compiled are excluded from the timing.
+the same run. Rounds that compiled are excluded from the timing. A window is a number of emitted tokens, the
+same for every policy (`--rounds` x N, at least `--min-window-tokens`), so that window k of every policy
+serves the same prompts (exactly the same answers at temperature 0, decoding being lossless).
 
 Interleaved by default: at each (concurrency, temperature) every policy gets its own engine and closed loop
 (warmed up first, the same prompt stream for each), and the policies take turns, one measurement window at a
@@ -29,7 +31,7 @@ from dspark_jax.drafters import prior_confidence, resolve_drafter
 from dspark_jax.engine import Engine, EngineConfig, parse_policy
 from dspark_jax.models.llama import LlamaModel
 from dspark_jax.plots import plot_serving
-from dspark_jax.serving import ClosedLoop, closed_loop, mixed_prompts, scheduling_quality, summarize_windows
+from dspark_jax.serving import closed_loop, interleaved, mixed_prompts, scheduling_quality, window_tokens
 from dspark_jax.sps import default_sps_table, load_sps_table
 from dspark_jax.timing import device_info, format_table, write_json
 
@@ -51,11 +53,14 @@ def main(argv=None):
                    help="concurrency of the threshold sweep (default: the middle of --concurrency)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=384)
-    p.add_argument("--warmup-rounds", type=int, default=6)
-    p.add_argument("--rounds", type=int, default=24, help="rounds per measurement window")
+    p.add_argument("--warmup-rounds", type=int, default=6,
+                   help="warm-up before the windows: what this many plain-decoding rounds emit (N tokens each)")
+    p.add_argument("--rounds", type=int, default=24,
+                   help="window length in plain-decoding rounds: every policy's window ends after rounds x N "
+                        "emitted tokens, so window k of every policy serves the same prompts")
     p.add_argument("--repeats", type=int, default=3, help="measurement windows per point")
     p.add_argument("--min-window-tokens", type=int, default=96,
-                   help="a window also runs until this many tokens were emitted (low concurrency)")
+                   help="at least this many tokens per window (low concurrency)")
     p.add_argument("--draft", default="dspark")
     p.add_argument("--sps", help="SPS table JSON (default: the shipped CPU table)")
     p.add_argument("--prompts", help="folder of JSONL prompts (default: ../shared/data/prompts/dev or shipped)")
@@ -88,25 +93,19 @@ def main(argv=None):
         engine.record_confidences = policy.drafts
         return engine
 
+    def sizes(n):
+        return dict(warmup_tokens=args.warmup_rounds * n,
+                    window_tokens=window_tokens(n, args.rounds, args.min_window_tokens), repeats=args.repeats)
+
     def measure(policy_text, n, temp):
-        res = closed_loop(engine_for(policy_text, n, temp), prompts, n, args.max_new_tokens,
-                          warmup_rounds=args.warmup_rounds, measure_rounds=args.rounds, repeats=args.repeats,
-                          min_window_tokens=args.min_window_tokens)
+        res = closed_loop(engine_for(policy_text, n, temp), prompts, n, args.max_new_tokens, **sizes(n))
         return report(policy_text, n, temp, res)
 
     def measure_interleaved(policies, n, temp):
         """Every policy's loop warmed up, then one window per policy per repeat, in a rotated order."""
-        loops = {pol: ClosedLoop(engine_for(pol, n, temp), prompts, n, args.max_new_tokens) for pol in policies}
-        for loop in loops.values():
-            loop.window(args.warmup_rounds)
-        windows = {pol: [] for pol in policies}
-        for k in range(args.repeats):
-            shift = k % len(policies)
-            for pol in policies[shift:] + policies[:shift]:
-                windows[pol].append(loops[pol].window(args.rounds, args.min_window_tokens))
-        return [report(pol, n, temp, summarize_windows(windows[pol],
-                                                       completed_requests=len(loops[pol].engine.finished_ids)))
-                for pol in policies]
+        res = interleaved({pol: engine_for(pol, n, temp) for pol in policies}, prompts, n, args.max_new_tokens,
+                          **sizes(n))
+        return [report(pol, n, temp, res[pol]) for pol in policies]
 
     def report(policy_text, n, temp, res):
         policy = parse_policy(policy_text)

@@ -92,7 +92,7 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
         assert point["dspark"]["ratio_vs_best_fixed"] == pytest.approx(point["dspark"]["tokens_per_s"] / best_fixed)
         assert point["threshold:best"]["threshold"] == best_c
         assert point["none"]["drafts_per_request"] == 0 and point["none"]["accept_len"] == pytest.approx(1.0)
-        if n == 1:  # the window runs past its 3 rounds until 8 tokens came out (at most 2 per round here)
+        if n == 1:  # a window runs until 8 tokens came out (the floor over 3 x N), at most 2 per round here
             assert point["none"]["steady_rounds"] + point["none"]["compiled_rounds"] >= 4
         # Drafts are capped by each request's remaining token budget, never raised.
         assert 0.0 < point["fixed:3"]["drafts_per_request"] <= 3.0
@@ -121,3 +121,68 @@ def test_windows_summarize():
     assert res.steady_rounds == 5 and res.compiled_rounds == 1 and res.completed_requests == 4
     assert res.drafts_per_request == pytest.approx(3 / 5) and res.rejected_share == pytest.approx(2 / 3)
     assert res.accept_len == pytest.approx(6 / 5)
+
+
+class _FakeEngine:
+    """Engine stand-in: each request needs len(prompt) tokens, each round emits ``rate`` tokens per request
+    (fewer at the end of one)."""
+
+    def __init__(self, name, rate, slots=4):
+        import types
+
+        self.name, self.rate = name, rate
+        self.cfg = types.SimpleNamespace(num_slots=slots)
+        self.left, self.finished_ids, self.next_id = {}, [], 0
+
+    def submit(self, prompt, max_new_tokens):
+        self.left[self.next_id] = min(len(prompt), max_new_tokens)
+        self.next_id += 1
+        return self.next_id - 1
+
+    def step(self):
+        if not self.left:
+            return None
+        total = 0
+        for rid in list(self.left):
+            k = min(self.rate, self.left[rid])
+            total += k
+            self.left[rid] -= k
+            if self.left[rid] == 0:
+                del self.left[rid]
+                self.finished_ids.append(rid)
+        return _timed_round(total, 0.01 * self.rate)
+
+
+def test_windows_end_at_the_same_token_counts_for_every_engine(monkeypatch):
+    """Each window ends at the first round that brings the loop's emitted tokens to warmup + (k + 1) x window,
+    whatever tokens per round the engine emits; the engines take turns in an order rotated every repeat;
+    bad sizes are refused."""
+    from dspark_jax import serving
+
+    prompts = [[0] * n for n in (5, 9, 3, 12, 7)]
+    calls = []
+    run_until = serving.ClosedLoop.run_until
+
+    def recording(loop, total):
+        before = loop.emitted
+        rounds = run_until(loop, total)
+        calls.append((loop.engine.name, total, before, loop.emitted, rounds[-1].emitted))
+        return rounds
+
+    monkeypatch.setattr(serving.ClosedLoop, "run_until", recording)
+    engines = {"slow": _FakeEngine("slow", 1), "fast": _FakeEngine("fast", 3)}
+    res = serving.interleaved(engines, prompts, 2, 8, warmup_tokens=4, window_tokens=10, repeats=3)
+    assert [(name, total) for name, total, *_ in calls] == [
+        ("slow", 4), ("fast", 4),  # warm-up
+        ("slow", 14), ("fast", 14), ("fast", 24), ("slow", 24), ("slow", 34), ("fast", 34)]
+    for name, total, before, after, last in calls:
+        assert after >= total > after - last  # the first round to reach the target ends the window
+    for name in engines:
+        windows = [after - before for n, total, before, after, _ in calls[2:] if n == name]
+        assert len(res[name].repeats) == 3
+        assert sum(r.emitted for r in res[name].rounds) == sum(windows)
+    assert serving.window_tokens(16, 24, 96) == 384 and serving.window_tokens(1, 24, 96) == 96
+    with pytest.raises(ValueError, match="window_tokens"):
+        serving.window_tokens(0, 24)
+    with pytest.raises(ValueError, match="window_tokens >= 1"):
+        serving.interleaved(engines, prompts, 2, 8, warmup_tokens=0, window_tokens=0)
