@@ -619,7 +619,10 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
             by_batch[i][t], by_batch_spread[i][t] = stats(samples[(src, at)], floor[i, t])
         if mine:  # the full block: the largest batch this row count verifies
             full = cost.batch_tokens.index(mine[-1])
-            overhead[0][i], spread[0][i] = by_batch[i][full], by_batch_spread[i][full]
+            # clamped again against the fastest drafting round of this row count (a smaller batch may be
+            # faster than the full block's floor), so that no round is free
+            overhead[0][i] = max(by_batch[i][full], -0.5 * float(fastest[0, i]))
+            spread[0][i] = by_batch_spread[i][full]
         else:  # no drafting round fits this row count in the profile
             overhead[0][i], spread[0][i] = stats(samples[(src, measured[-1])], fastest[0, i])
     return dict(overhead_s=overhead, overhead_spread_s=spread, draft_overhead_s=by_batch,
