@@ -117,6 +117,15 @@ def overhead_lines(cm) -> list[str]:
     return lines
 
 
+def with_overhead(table, weights, cfg, rows=None):
+    """``table`` with the engine-round overhead measured (a random drafter of the shipped shape) at ``rows``
+    (default: every row count of its cost model)."""
+    from dspark_jax.models.llama import LlamaModel
+
+    drafter = profiling.random_drafter(cfg, block=table.cost_model.block)
+    return profiling.add_round_overhead(table, LlamaModel(cfg, weights), drafter, progress=True, rows=rows)
+
+
 def extend_table(args, device, out, extend, report):
     """Load the table at ``out``, add to it ``extend(table, weights, cfg)`` with the target on ``device``, write it
     back and print ``report(cost_model)`` (lines)."""
@@ -155,13 +164,7 @@ def main(argv=None):
         raise ValueError(f"--reference-context {args.reference_context} must be one of --context-lengths {contexts}")
 
     if args.add_overhead:
-        def overhead(table, weights, cfg):
-            from dspark_jax.models.llama import LlamaModel
-
-            drafter = profiling.random_drafter(cfg, block=table.cost_model.block)
-            return profiling.add_round_overhead(table, LlamaModel(cfg, weights), drafter, progress=True)
-
-        return extend_table(args, device, out, overhead, overhead_lines)
+        return extend_table(args, device, out, with_overhead, overhead_lines)
 
     if args.add_plain:
         def plain(table, weights, cfg):
@@ -183,15 +186,11 @@ def main(argv=None):
         progress=True, extra={"quick": args.quick}, batch_tokens=buckets)
     table.save(out)  # the programs' costs are kept even if the overhead measurement below fails
     if not args.no_overhead and not args.no_drafter:
-        from dspark_jax.models.llama import LlamaModel
-
         print(f"wrote {out} (programs only); measuring the engine-round overhead "
               f"(if this stops, `--add-overhead --out {out}` measures it alone)")
-        drafter = profiling.random_drafter(cfg, block=table.cost_model.block)
         rows = table.cost_model.rows[:1] if args.quick else None
         with jax.default_device(device):
-            table = profiling.add_round_overhead(table, LlamaModel(cfg, jax.device_put(weights, device)), drafter,
-                                                 progress=True, rows=rows)
+            table = with_overhead(table, jax.device_put(weights, device), cfg, rows=rows)
         table.save(out)
     print(format_table(curve_rows(table),
                        ["L", "B", "R", "verify_ms", "draft_ms", "overhead_ms", "round_ms", "rounds_per_s",
