@@ -48,18 +48,23 @@ def test_scheduling_quality_jagged_table_reports_the_gap():
 
 @pytest.mark.slow
 def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
-    """The benchmark script end to end on a tiny grid (real target, random drafter): every (policy, N, T)
+    """The benchmark script end to end on a tiny grid (a small random target with the real tokenizer and
+    vocabulary, random drafter: the script's plumbing, not the model, is under test): every (policy, N, T)
     row carries the documented fields, ratios are against `none` and the best fixed K of the same run, the
     threshold policy uses the best C of its sweep, policies are interleaved window by window with per-window
     ratios, and the figures are written."""
+    import jax
     from flax import nnx
 
     from dspark_jax.models.drafter import Drafter, DrafterConfig
+    from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
     from dspark_jax.training import save_drafter
     from profiling import bench_serving
 
-    monkeypatch.setattr(bench_serving.LlamaModel, "from_gguf", classmethod(lambda cls, path=None: target))
-    cfg = DrafterConfig.for_target(target.cfg, n_layers=1, ffn_dim=64, rank=8, draft_vocab_size=512, block=7)
+    cfg = LlamaConfig.tiny(vocab_size=target.cfg.vocab_size)
+    small = LlamaModel(cfg, init_random_weights(cfg, jax.random.key(0), scale=0.3), target.tokenizer)
+    monkeypatch.setattr(bench_serving.LlamaModel, "from_gguf", classmethod(lambda cls, path=None: small))
+    cfg = DrafterConfig.for_target(small.cfg, n_layers=1, ffn_dim=64, rank=8, draft_vocab_size=512, block=7)
     save_drafter(Drafter(cfg, rngs=nnx.Rngs(0), vocab_ids=np.arange(512)), tmp_path / "drafter")
     out = tmp_path / "serving.json"
     bench_serving.main([
