@@ -266,6 +266,9 @@ class Engine:
         if self.policy.drafts and drafter is None:
             raise ValueError(f"policy {self.policy} needs a drafter; only 'none' runs without one")
         self.drafter = drafter if self.policy.drafts else None
+        # The round programs are static in the policy's kind; its number (K or C) is passed as an array.
+        self._policy_kind = Policy(self.policy.kind)
+        self._policy_value = jnp.float32(self.policy.k if self.policy.kind == "fixed" else self.policy.threshold)
         if config.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {config.temperature}")
         self.greedy = config.temperature == 0
@@ -432,7 +435,8 @@ class Engine:
                 for w in draft_windows:
                     d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed,
                                             self.head_w, self.temps, self.sps, self.cost, scale, temp,
-                                            seed=self.cfg.seed, capacity=cap, R=R, policy=self.policy,
+                                            self._policy_value, seed=self.cfg.seed, capacity=cap, R=R,
+                                            policy=self._policy_kind,
                                             greedy=self.greedy, probe_every=self.cfg.gate_probe_every,
                                             probe_budget=self.cfg.gate_probe_budget, context=w,
                                             fill=self.cfg.fill_buckets, margin=self.cfg.gate_margin)
@@ -492,8 +496,9 @@ class Engine:
         known_closed = self._gate_closed and not (active & ~was_active).any()
         if drafting and not known_closed:
             d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed, self.head_w,
-                                    self.temps, self.sps, self.cost, scale, temp, seed=self.cfg.seed,
-                                    capacity=self.cfg.capacity, R=R, policy=self.policy, greedy=self.greedy,
+                                    self.temps, self.sps, self.cost, scale, temp, self._policy_value,
+                                    seed=self.cfg.seed, capacity=self.cfg.capacity, R=R, policy=self._policy_kind,
+                                    greedy=self.greedy,
                                     probe_every=self.cfg.gate_probe_every, probe_budget=self.cfg.gate_probe_budget,
                                     context=_window(longest, self.cfg.capacity, self.cfg.window_rule),
                                     fill=self.cfg.fill_buckets, margin=self.cfg.gate_margin)
@@ -555,32 +560,45 @@ class Engine:
         return self._no_conf[R]
 
     def _observe_round(self, drafted: bool, seconds: float, predicted: float) -> None:
-        """Fold a round's measured time into the correction of the cost model's prediction for its kind
-        (drafting or plain round): a running mean of log(measured / predicted), then an exponential one.
-        What the table got wrong on this machine, at this moment (other processes, the host's share of a
-        round), the gate then sees; the scheduler's choice of lengths is unchanged (a constant factor)."""
+        """Fold a round's measured time into the correction of the cost model (``calibrate_times``).
+
+        Two factors, both running means of logs (the table counting as one observation, then exponential):
+        the host's, measured / predicted for plain rounds (what other processes, clocks and the host's share
+        of a round do to every round), and the drafting rounds' excess over it, measured / predicted for a
+        drafting round divided by the host factor of the moment. Host drift thus moves both kinds of round
+        together, including while the gate is closed and only rare probes draft, and the drafting excess
+        (what the table got wrong about the drafter against plain decoding on this machine) is learned from
+        those probes without the drift between them. A drafting round also updates the host factor, through
+        its excess, so a gate that stays open keeps following the host. The scheduler's choice of lengths is
+        unchanged (a constant factor); the gate reads both."""
         if not self.cfg.calibrate_times or not np.isfinite(predicted) or predicted <= 0 or seconds <= 0:
             return
-        k = 0 if drafted else 1
-        self._time_obs[k] += 1
-        w = max(TIME_EMA, 1.0 / (self._time_obs[k] + 1))  # the table counts as one observation
         x = float(np.clip(np.log(seconds / predicted), -2.0, 2.0))
-        self._log_time_scale[k] = (1 - w) * self._log_time_scale[k] + w * x
+        if drafted:
+            self._time_obs[0] += 1
+            w = max(TIME_EMA, 1.0 / (self._time_obs[0] + 1))
+            self._log_excess = (1 - w) * self._log_excess + w * float(np.clip(x - self._log_host, -2.0, 2.0))
+            x = x - self._log_excess  # what the host factor would have been for a plain round
+        self._time_obs[1] += 1
+        w = max(TIME_EMA, 1.0 / (self._time_obs[1] + 1))
+        self._log_host = (1 - w) * self._log_host + w * x
         self._time_scale_dev = jnp.asarray(self.time_scale, jnp.float32)
 
     def reset_time_scale(self) -> None:
         """Forget the measured corrections of the cost model (trust the table again)."""
-        self._log_time_scale = np.zeros(2)
-        self._time_obs = [0, 0]
+        self._log_host = 0.0
+        self._log_excess = 0.0
+        self._time_obs = [0, 0]  # drafting rounds, all rounds
         self._time_scale_dev = jnp.ones((2,), jnp.float32)  # what the programs read
 
     @property
     def time_scale(self) -> tuple[float, float]:
-        """Measured / predicted round time, (drafting rounds, plain rounds); (1, 1) until rounds are seen.
-        Until a drafting round has been measured it takes the plain rounds' factor (what slows one kind of
-        round on a shared machine slows the other)."""
-        d, p = np.exp(self._log_time_scale)
-        return (float(d if self._time_obs[0] else p), float(p))
+        """Measured / predicted round time, (drafting rounds, plain rounds): (host x drafting excess, host);
+        (1, 1) until rounds are seen. Until a drafting round has been measured, the excess is 1 (drafting
+        rounds take the plain rounds' factor: what slows one kind of round on a shared machine slows the
+        other)."""
+        host = float(np.exp(self._log_host))
+        return (float(np.exp(self._log_host + self._log_excess)), host)
 
     def idle(self) -> bool:
         return not self.pending and not (self.slot_request >= 0).any()
@@ -669,12 +687,13 @@ def _device_rows(active, R):
     return rows, active[rows]
 
 
-def _policy_lengths(policy: Policy, conf, hist, sps, row_valid, G):
-    """Verification lengths [R] from calibrated confidences [R, G] (before caps)."""
+def _policy_lengths(policy: Policy, value, conf, hist, sps, row_valid, G):
+    """Verification lengths [R] from calibrated confidences [R, G] (before caps); ``value`` is the policy's
+    number (K or C, traced)."""
     if policy.kind == "fixed":
-        return jnp.full(row_valid.shape, min(policy.k, G), jnp.int32)
+        return jnp.full(row_valid.shape, jnp.minimum(jnp.round(value).astype(jnp.int32), G), jnp.int32)
     if policy.kind == "threshold":
-        return verify.leading_true(conf >= policy.threshold, jnp.full(row_valid.shape, G, jnp.int32))
+        return verify.leading_true(conf >= value, jnp.full(row_valid.shape, G, jnp.int32))
     if policy.kind == "dspark":
         return scheduler.schedule(conf, sps, active=row_valid).lengths
     if policy.kind == "dspark-async":
@@ -749,11 +768,14 @@ def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_
 
 @functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity", "probe_every",
                                              "probe_budget", "fill", "margin"))
-def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, time_scale, temperature, *,
-                        seed: int, capacity: int, R: int, policy: Policy, greedy: bool, context: int,
+def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, time_scale, temperature,
+                        policy_value, *, seed: int, capacity: int, R: int, policy: Policy, greedy: bool, context: int,
                         probe_every: int = 2, probe_budget: float = 0.02, fill: bool = True,
                         margin: float = 0.0) -> DraftOut:
     """Draft a block for the first R rows, compute calibrated confidences, apply the policy.
+
+    ``policy`` is static by its kind only; its number (K of ``fixed:K``, C of ``threshold:C``) is the traced
+    ``policy_value``, so every K (every C) runs the same compiled program.
 
     With a cost model, the ``dspark`` policies first decide whether drafting pays at all this round
     (:func:`_drafting_pays`, from each request's survival averages over its earlier drafted rounds, which
@@ -781,7 +803,7 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     tokens, probs, conf_logits = jax.lax.cond(gate, run_drafter, skip)
     conf = calibration.apply_sts(conf_logits, temps)  # [R, G]
     hist = state.conf_hist[1][rows]
-    lengths = jnp.where(row_valid & gate, _policy_lengths(policy, conf, hist, sps, row_valid, G), 0)
+    lengths = jnp.where(row_valid & gate, _policy_lengths(policy, policy_value, conf, hist, sps, row_valid, G), 0)
     if fill and policy.kind in ("dspark", "dspark-async"):  # the padded batch's free room (lossless)
         lengths = scheduler.fill_to_bucket(conf, lengths, BUCKETS, active=row_valid & gate)
     # Caps that never look at the drafts: the request's remaining budget and the slot's capacity.
