@@ -143,10 +143,10 @@ class EngineConfig:
     # benchmark). 0 trusts the estimates as they are.
     gate_margin: float = 0.05
     # Correct the cost model's drafting and plain round times by the engine's own measurements before the
-    # gate compares them (`Engine.time_scale`). Off by default: on the 2-core CPU shared with another job it
-    # opened the gate more often and lowered throughput (README, Engine). The output stays lossless either
-    # way; with it, which rounds draft depends on timings, so sampled tokens (not their law) can differ
-    # between runs of the same seed.
+    # gate compares them (`Engine.time_scale`: a host factor and the drafting rounds' excess over it). Off by
+    # default: with the shipped table on the 2-core CPU it was no faster at 1, 4 or 16 users (README, Engine).
+    # The output stays lossless either way; with it, which rounds draft depends on timings, so sampled tokens
+    # (not their law) can differ between runs of the same seed.
     calibrate_times: bool = False
     # The dspark policies: extend each round's schedule with the next-ranked drafts up to the padded batch
     # the verification runs anyway (`scheduler.fill_to_bucket`, lossless), and let the drafter gate price a
