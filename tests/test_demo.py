@@ -1,0 +1,47 @@
+"""The main job (`python -m dspark_jax.demo`) end to end on a small random target with the real tokenizer and
+vocabulary and a random drafter: the script's plumbing (streamed answers, the interleaved table) is under test,
+not the model."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+
+@pytest.mark.slow
+def test_demo_streams_answers_and_prints_the_table(target, tmp_path, monkeypatch, capsys):
+    import jax
+    from flax import nnx
+
+    from dspark_jax import demo
+    from dspark_jax.drafters import resolve_drafter
+    from dspark_jax.models.drafter import Drafter, DrafterConfig
+    from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
+    from dspark_jax.training import save_drafter
+
+    cfg = LlamaConfig.tiny(vocab_size=target.cfg.vocab_size)
+    small = LlamaModel(cfg, init_random_weights(cfg, jax.random.key(0), scale=0.3), target.tokenizer)
+    dcfg = DrafterConfig.for_target(cfg, n_layers=1, ffn_dim=64, rank=8, draft_vocab_size=512, block=7)
+    save_drafter(Drafter(dcfg, rngs=nnx.Rngs(0), vocab_ids=np.arange(512)), tmp_path / "drafter")
+    monkeypatch.setattr(demo.LlamaModel, "from_gguf", classmethod(lambda cls, path=None: small))
+    monkeypatch.setattr(demo, "resolve_drafter",
+                        lambda spec, target_cfg=None: resolve_drafter(str(tmp_path / "drafter"), target_cfg=target_cfg))
+
+    demo.main(["--max-new-tokens", "6", "--concurrency", "1", "--rounds", "2", "--min-window-tokens", "4",
+               "--repeats", "1"])
+    out = capsys.readouterr().out
+    # one streamed answer per shipped domain, each with its speed and accepted length
+    answers = re.findall(r"^--- (\d+) tokens in [\d.]+ s \([\d.]+ tokens/s .*\), accepted length ([\d.]+)$", out, re.M)
+    domains = re.findall(r"^### \[([\w-]+)\]", out, re.M)
+    assert len(answers) == len(domains) == len(set(domains)) == 3
+    assert all(1 <= int(n) <= 6 and float(acc) >= 1.0 for n, acc in answers)
+    # the table (one load here; the streamed answers' programs serve it): every policy measured, then none,
+    # the best fixed K and dspark with ratios against none
+    table = out.split("closed-loop throughput", 1)[1]
+    for pol in ("none", "fixed:1", "fixed:3", "fixed:7", "dspark"):
+        assert re.search(rf"N=\s*1 {re.escape(pol)}\s+[\d.]+ tokens/s", table), pol
+    assert "ratio_vs_none" in table
+    assert len(re.findall(r"best fixed \(fixed:[137]\)", table)) == 1
+    assert "wall time" in table
