@@ -346,9 +346,8 @@ def test_measured_round_times_correct_the_cost_model(model, drafter):
     assert e.time_scale == (1.0, 1.0)
 
 
-def test_time_scale_starts_from_the_plain_rounds():
-    """Before any drafting round is measured, drafting rounds take the plain rounds' correction; single
-    outliers are clipped."""
+def _time_probe():
+    """Just the engine's round-time correction (calibrate_times on), fed by hand."""
     class Probe:
         cfg = eng.EngineConfig(calibrate_times=True)
         _observe_round = eng.Engine._observe_round
@@ -356,6 +355,13 @@ def test_time_scale_starts_from_the_plain_rounds():
         time_scale = eng.Engine.time_scale
     e = Probe()
     e.reset_time_scale()
+    return e
+
+
+def test_time_scale_starts_from_the_plain_rounds():
+    """Before any drafting round is measured, drafting rounds take the plain rounds' correction; single
+    outliers are clipped."""
+    e = _time_probe()
     e._observe_round(False, 2.0, 1.0)
     d, p = e.time_scale
     assert d == p and 1.0 < p < 2.0
@@ -370,13 +376,7 @@ def test_time_scale_starts_from_the_plain_rounds():
 def test_host_drift_moves_both_round_times():
     """The drafting rounds' excess over the host factor is learned from drafting rounds; host drift seen
     only in plain rounds (a closed gate) then moves the drafting rounds' price too, at the learned ratio."""
-    class Probe:
-        cfg = eng.EngineConfig(calibrate_times=True)
-        _observe_round = eng.Engine._observe_round
-        reset_time_scale = eng.Engine.reset_time_scale
-        time_scale = eng.Engine.time_scale
-    e = Probe()
-    e.reset_time_scale()
+    e = _time_probe()
     for _ in range(60):  # drafting rounds 1.5 x what the table says, plain rounds as it says
         e._observe_round(True, 1.5, 1.0)
         e._observe_round(False, 1.0, 1.0)
