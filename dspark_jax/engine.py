@@ -77,6 +77,11 @@ class Policy:
         return self.kind != "none"
 
     @property
+    def value(self) -> float:
+        """The policy's number: K of ``fixed:K``, C of ``threshold:C`` (0 for the others)."""
+        return float(self.k) if self.kind == "fixed" else self.threshold
+
+    @property
     def needs_confidence(self) -> bool:
         return self.kind in ("threshold", "dspark", "dspark-async")
 
@@ -268,7 +273,7 @@ class Engine:
         self.drafter = drafter if self.policy.drafts else None
         # The round programs are static in the policy's kind; its number (K or C) is passed as an array.
         self._policy_kind = Policy(self.policy.kind)
-        self._policy_value = jnp.float32(self.policy.k if self.policy.kind == "fixed" else self.policy.threshold)
+        self._policy_value = jnp.float32(self.policy.value)
         if config.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {config.temperature}")
         self.greedy = config.temperature == 0

@@ -6,28 +6,20 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 
 
 @pytest.mark.slow
 def test_demo_streams_answers_and_prints_the_table(target, tmp_path, monkeypatch, capsys):
-    import jax
-    from flax import nnx
-
     from dspark_jax import demo
     from dspark_jax.drafters import resolve_drafter
-    from dspark_jax.models.drafter import Drafter, DrafterConfig
-    from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
-    from dspark_jax.training import save_drafter
+    from tests.helpers import save_random_drafter, small_real_vocab_target
 
-    cfg = LlamaConfig.tiny(vocab_size=target.cfg.vocab_size)
-    small = LlamaModel(cfg, init_random_weights(cfg, jax.random.key(0), scale=0.3), target.tokenizer)
-    dcfg = DrafterConfig.for_target(cfg, n_layers=1, ffn_dim=64, rank=8, draft_vocab_size=512, block=7)
-    save_drafter(Drafter(dcfg, rngs=nnx.Rngs(0), vocab_ids=np.arange(512)), tmp_path / "drafter")
+    small = small_real_vocab_target(target)
+    drafter = save_random_drafter(small.cfg, tmp_path / "drafter", block=7)
     monkeypatch.setattr(demo.LlamaModel, "from_gguf", classmethod(lambda cls, path=None: small))
     monkeypatch.setattr(demo, "resolve_drafter",
-                        lambda spec, target_cfg=None: resolve_drafter(str(tmp_path / "drafter"), target_cfg=target_cfg))
+                        lambda spec, target_cfg=None: resolve_drafter(str(drafter), target_cfg=target_cfg))
 
     demo.main(["--max-new-tokens", "6", "--concurrency", "1", "--rounds", "2", "--min-window-tokens", "4",
                "--repeats", "1"])

@@ -147,8 +147,8 @@ def test_appendix_a_through_the_policy_layer():
     hist = jnp.array([[0.8, 0.9]])
     for policy in ("dspark", "dspark-async", "threshold:0.85", "fixed:1"):
         pol = eng.parse_policy(policy)
-        value = jnp.float32(pol.k if pol.kind == "fixed" else pol.threshold)
-        law = first_token_law(lambda c: eng._policy_lengths(pol, value, c, hist, jnp.asarray(sps), valid, 2))
+        law = first_token_law(lambda c: eng._policy_lengths(pol, jnp.float32(pol.value), c, hist, jnp.asarray(sps),
+                                                            valid, 2))
         np.testing.assert_allclose(law, 0.7, atol=1e-6)
     unsafe = first_token_law(lambda c: scheduler.schedule(c, jnp.asarray(sps), stop="argmax").lengths)
     np.testing.assert_allclose(unsafe, 0.85, atol=1e-6)

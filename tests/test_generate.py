@@ -49,15 +49,10 @@ def test_generate_streams_and_writes_json(gguf_path, target, tmp_path, capsys, m
 def test_speculative_generate_equals_plain(gguf_path, target, tmp_path, monkeypatch):
     """The issue's check on two dev-like prompts: --policy dspark (a random drafter, the shipped SPS table)
     gives the same output_ids as --policy none at temperature 0, with both requests in one batch."""
-    import numpy as np
-    from flax import nnx
-
-    from dspark_jax.models.drafter import Drafter, DrafterConfig
-    from dspark_jax.training import save_drafter
+    from tests.helpers import save_random_drafter
 
     monkeypatch.setattr(generate.LlamaModel, "from_gguf", classmethod(lambda cls, path=None: target))
-    cfg = DrafterConfig.for_target(target.cfg, n_layers=1, ffn_dim=64, rank=8, draft_vocab_size=1024)
-    save_drafter(Drafter(cfg, rngs=nnx.Rngs(0), vocab_ids=np.arange(1024)), tmp_path / "drafter")
+    save_random_drafter(target.cfg, tmp_path / "drafter", draft_vocab=1024)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in
                                ["What is 12 times 7?", "Write a Python function that reverses a list."]))

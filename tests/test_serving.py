@@ -53,19 +53,12 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
     row carries the documented fields, ratios are against `none` and the best fixed K of the same run, the
     threshold policy uses the best C of its sweep, policies are interleaved window by window with per-window
     ratios, and the figures are written."""
-    import jax
-    from flax import nnx
-
-    from dspark_jax.models.drafter import Drafter, DrafterConfig
-    from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
-    from dspark_jax.training import save_drafter
     from profiling import bench_serving
+    from tests.helpers import save_random_drafter, small_real_vocab_target
 
-    cfg = LlamaConfig.tiny(vocab_size=target.cfg.vocab_size)
-    small = LlamaModel(cfg, init_random_weights(cfg, jax.random.key(0), scale=0.3), target.tokenizer)
+    small = small_real_vocab_target(target)
     monkeypatch.setattr(bench_serving.LlamaModel, "from_gguf", classmethod(lambda cls, path=None: small))
-    cfg = DrafterConfig.for_target(small.cfg, n_layers=1, ffn_dim=64, rank=8, draft_vocab_size=512, block=7)
-    save_drafter(Drafter(cfg, rngs=nnx.Rngs(0), vocab_ids=np.arange(512)), tmp_path / "drafter")
+    save_random_drafter(small.cfg, tmp_path / "drafter", block=7)
     out = tmp_path / "serving.json"
     bench_serving.main([
         "--draft", str(tmp_path / "drafter"), "--concurrency", "1", "2", "--temperatures", "0",
