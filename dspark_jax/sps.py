@@ -238,6 +238,19 @@ def _nondecreasing(y: np.ndarray) -> np.ndarray:
     return np.concatenate([np.full(int(n), total / n) for total, n in blocks])
 
 
+def _monotone_minorant(y, axes) -> np.ndarray:
+    """The greatest array below ``y`` that is non-decreasing along each of ``axes``: a suffix minimum along
+    each axis in turn (a suffix minimum along one axis keeps the array non-decreasing along the others).
+
+    Timing noise on a shared host only ever adds time, so where two measured cells are out of order (a longer
+    context, more rows or more tokens measured faster) the faster one is the better estimate of both: the
+    slower cell is lowered to it, the faster one is kept."""
+    out = np.asarray(y, np.float64)
+    for axis in axes:
+        out = np.flip(np.minimum.accumulate(np.flip(out, axis), axis=axis), axis)
+    return out
+
+
 def _window_mix(xp, windows, per_ctx, w):
     """Value at window ``w`` from per-window values ``per_ctx`` [C, ...]: linear between measured windows,
     clamped below the first, extrapolated along the last segment (slope >= 0) beyond the last."""
@@ -466,10 +479,12 @@ class CostModel:
         return raw, spread
 
     def verify_grid(self, interpolation: str = "linear") -> np.ndarray:
-        """Verification seconds for every batch ``b = 0..max_tokens``: float64 [C, R, N]."""
+        """Verification seconds for every batch ``b = 0..max_tokens``: float64 [C, R, N], from the measured
+        (filled) cells lowered to their monotone minorant in context, rows and batch
+        (:func:`_monotone_minorant`)."""
         if interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation: expected one of {INTERPOLATIONS}, got {interpolation!r}")
-        verify, _ = self.filled_verify()
+        verify = _monotone_minorant(self.filled_verify()[0], (0, 1, 2))
         xs = np.asarray(self.batch_tokens, np.float64)
         b = np.arange(self.max_tokens + 1, dtype=np.float64)
         return np.stack([np.stack([_interpolate(xs, row, b, interpolation) for row in ctx]) for ctx in verify])
@@ -477,12 +492,19 @@ class CostModel:
     def plain_grid(self) -> np.ndarray:
         """Seconds of a plain round (no drafts) at each context and row count: float64 [C, R]. Measured
         (``plain_s``) where the profile has it, else the verification cell at ``B = rows`` (which lays the
-        queries on a ``G + 1`` grid and so overestimates a plain round)."""
+        queries on a ``G + 1`` grid and so overestimates a plain round). Non-decreasing in context and rows
+        (:func:`_monotone_minorant`: a cell measured slower than a longer context or more rows is lowered
+        to it)."""
         if self.plain_s is not None:
-            return np.asarray(self.plain_s, np.float64)
+            return _monotone_minorant(self.plain_s, (0, 1))
         grid = self.verify_grid("linear")
         return np.stack([[grid[c, r, min(rows, self.max_tokens)] for r, rows in enumerate(self.rows)]
                          for c in range(grid.shape[0])])
+
+    def draft_grid(self) -> np.ndarray:
+        """The drafter's seconds at each context and row count, non-decreasing in both (as
+        :meth:`plain_grid`): float64 [C, R]."""
+        return _monotone_minorant(self.draft_s, (0, 1))
 
     def fastest_round_s(self) -> np.ndarray:
         """The fastest modeled round of each kind at each row count, over every context and batch, before any
@@ -517,13 +539,16 @@ class CostModel:
 
     def drafting_grid(self, interpolation: str = "linear") -> np.ndarray:
         """Verification plus the drafting round's overhead for every batch ``b = 0..max_tokens``: float64
-        [C, R, N]. At each context and row count the measured batches are first fitted by the closest
-        non-decreasing sequence (least squares, pool adjacent violators): a round that verifies more tokens
-        never costs less, and two noisy cells out of order are averaged rather than one of them trusted;
-        then interpolated over the batch as :meth:`verify_grid` is."""
+        [C, R, N]. The verification cells are first lowered to their monotone minorant in context, rows and
+        batch (as :meth:`verify_grid`; timing noise only adds time). The overhead, a difference of two
+        measured times, is noisy both ways: at each context and row count the sum is then fitted by the
+        closest non-decreasing sequence over the batch (least squares, pool adjacent violators), so a round
+        that verifies more tokens never costs less and two cells out of order are averaged rather than one
+        of them trusted; then interpolated over the batch as :meth:`verify_grid` is."""
         if interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation: expected one of {INTERPOLATIONS}, got {interpolation!r}")
-        points = self.filled_verify()[0] + self.draft_overhead_table()[None]  # [C, R, T]
+        verify = _monotone_minorant(self.filled_verify()[0], (0, 1, 2))  # as verify_grid
+        points = verify + self.draft_overhead_table()[None]  # [C, R, T]
         xs = np.asarray(self.batch_tokens, np.float64)
         b = np.arange(self.max_tokens + 1, dtype=np.float64)
         return np.stack([np.stack([_interpolate(xs, _nondecreasing(row), b, interpolation) for row in ctx])
@@ -597,7 +622,7 @@ class CostModel:
         wv, wd = self.windows_for(context_tokens)
         verify = _window_mix(np, np.asarray(self.windows, np.float64), self.drafting_grid(interpolation)[:, r, :],
                              float(wv))
-        draft = _window_mix(np, np.asarray(self.draft_windows, np.float64), np.asarray(self.draft_s)[:, r], float(wd))
+        draft = _window_mix(np, np.asarray(self.draft_windows, np.float64), self.draft_grid()[:, r], float(wd))
         t = np.maximum.accumulate(verify + draft)
         if envelope:
             t = np.minimum.accumulate(t[::-1])[::-1]
@@ -609,7 +634,7 @@ class CostModel:
                           draft_windows=jnp.asarray(self.draft_windows, jnp.float32),
                           rows=jnp.asarray(self.rows, jnp.int32),
                           verify_s=jnp.asarray(self.drafting_grid(interpolation), jnp.float32),
-                          draft_s=jnp.asarray(self.draft_s, jnp.float32),
+                          draft_s=jnp.asarray(self.draft_grid(), jnp.float32),
                           plain_s=jnp.asarray(self.plain_grid(), jnp.float32),
                           plain_overhead_s=jnp.asarray(self.overhead_grid()[1], jnp.float32),
                           block=int(self.block), context_step=int(self.context_step), window_rule=self.window_rule)

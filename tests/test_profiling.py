@@ -209,15 +209,17 @@ def test_linear_interpolation_and_envelope_on_cost_model():
     wv, wd = cm.windows_for(120)
     np.testing.assert_allclose(lin[20], 0.5 * (verify_true(2, 8, wv) + verify_true(2, 32, wv)) + draft_true(2, wd))
     np.testing.assert_allclose(ceil[20], verify_true(2, 32, wv) + draft_true(2, wd))
-    # a jagged row (B=16 measured slower than B=32): a larger batch is never priced below a smaller one (the
-    # two cells out of order are pooled to their mean), so the envelope has nothing left to do
+    # a jagged row (B=16 measured slower than B=32 and than 4 rows at B=16): the slow cell is lowered to the
+    # fastest cell at or beyond it (4 rows; timing noise only adds time), so a larger batch is never priced
+    # below a smaller one and the envelope has nothing left to do
     obj = synthetic().to_json()
     obj["verify_s"][0][1][1] = 1.0
     jag = CostModel(**obj)
     raw, env = jag.step_times(2, 120), jag.step_times(2, 120, envelope=True)
     wv, wd = jag.windows_for(120)
     assert np.all(np.diff(raw) >= 0) and raw[15] < raw[16]
-    np.testing.assert_allclose(raw[[16, 24, 32]], 0.5 * (1.0 + verify_true(2, 32, wv)) + draft_true(2, wd))
+    low, high = verify_true(4, 16, wv), verify_true(2, 32, wv)
+    np.testing.assert_allclose(raw[[16, 24, 32]], np.array([low, 0.5 * (low + high), high]) + draft_true(2, wd))
     np.testing.assert_array_equal(env, raw)
     np.testing.assert_allclose(np.asarray(sps_from_cost(jag.arrays(), jnp.int32(2), jnp.int32(120))), 1 / raw,
                                rtol=2e-6)
@@ -552,6 +554,47 @@ def test_nondecreasing_fit_pools_adjacent_violators():
         for _ in range(20):
             other = np.sort(rng.normal(size=7))
             assert np.sum((fit - y) ** 2) <= np.sum((other - y) ** 2) + 1e-12
+
+
+def test_monotone_minorant_is_the_greatest_monotone_array_below():
+    """The cost model's reading of noisy cells: f[i] = min of y over every cell at or beyond i in each axis
+    (brute force), non-decreasing along each axis, never above y; the faster of two cells out of order is
+    kept as measured."""
+    import itertools
+
+    from dspark_jax.sps import _monotone_minorant
+
+    np.testing.assert_allclose(_monotone_minorant([32.7, 56.5, 34.4, 42.4], (0,)), [32.7, 34.4, 34.4, 42.4])
+    rng = np.random.default_rng(1)
+    for shape in ((4, 7), (3, 4, 5)):
+        y = rng.lognormal(size=shape)
+        f = _monotone_minorant(y, range(len(shape)))
+        for idx in itertools.product(*map(range, shape)):
+            beyond = y[tuple(slice(i, None) for i in idx)]
+            assert f[idx] == beyond.min()
+        for axis in range(len(shape)):
+            assert np.all(np.diff(f, axis=axis) >= 0)
+
+
+def test_slow_cell_does_not_raise_the_price_of_shorter_contexts(tmp_path):
+    """One cell measured slow (a burst of host load: a plain round at 248 tokens slower than at 504, as in a
+    table profiled on a shared host) is lowered to the longer context's time, so the drafter gate does not
+    see plain decoding slow down and then speed up as the context grows; drafts and verification likewise."""
+    cm = default_sps_table().cost_model
+    plain = np.array(cm.plain_s, dtype=np.float64)
+    plain[1, 0] = 3 * plain[2, 0]  # context 248 (row 1 of the contexts), one request
+    draft = np.array(cm.draft_s, dtype=np.float64)
+    draft[0, 0] = 3 * draft[1, 0]
+    noisy = dataclasses.replace(cm, plain_s=plain.tolist(), draft_s=draft.tolist())
+    assert noisy.plain_grid()[1, 0] == pytest.approx(min(plain[2:, 0].min(), plain[1, 1:].min()))
+    assert noisy.draft_grid()[0, 0] == pytest.approx(min(draft[1:, 0].min(), draft[0, 1:].min()))
+    times = [noisy.plain_step_time(1, L) for L in (100, 200, 400, 900)]
+    assert times == sorted(times)
+    for L in (100, 200, 400, 900):
+        np.testing.assert_allclose(1 / np.asarray(sps_from_cost(noisy.arrays(), jnp.int32(1), jnp.int32(L))),
+                                   noisy.step_times(1, L), rtol=1e-5)
+    assert np.all(np.diff(noisy.verify_grid(), axis=0) >= -1e-12)  # windows: longer contexts never cheaper
+    assert np.all(np.diff(noisy.verify_grid(), axis=1) >= -1e-12)  # rows
 
 
 def test_drafting_overhead_by_padded_batch(tmp_path):
