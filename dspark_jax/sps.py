@@ -512,9 +512,9 @@ class CostModel:
         return np.stack([self.drafting_rounds_s().min(axis=(0, 2)), self.plain_grid().min(axis=0)])
 
     def drafting_rounds_s(self) -> np.ndarray:
-        """Draft plus verification seconds, before any overhead, at every measured (filled) grid cell:
-        float64 [C, R, T]."""
-        return self.filled_verify()[0] + np.asarray(self.draft_s, np.float64)[:, :, None]
+        """Draft plus verification seconds, before any overhead, at every measured (filled) grid cell, as the
+        model reads them (monotone minorants, :meth:`verify_grid`, :meth:`draft_grid`): float64 [C, R, T]."""
+        return _monotone_minorant(self.filled_verify()[0], (0, 1, 2)) + self.draft_grid()[:, :, None]
 
     def draft_overhead_table(self, spread: bool = False) -> np.ndarray:
         """The drafting round's overhead (or its spread) at each row count and padded batch: float64 [R, T],
