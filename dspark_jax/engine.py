@@ -396,7 +396,18 @@ class Engine:
     def _prefill(self, slot: int, rid: int, prompt: list[int], max_new: int) -> tuple[int, bool]:
         """Chunked prefill of the prompt into ``slot`` (target cache and drafter context); first token."""
         st = self.state
-        cache, dcache = st.cache, st.dcache
+        logits, cache, dcache = self._prefill_caches(st.cache, st.dcache, slot, prompt,
+                                                     write_context=self.drafter is not None)
+        first = int(_sample_first(logits, jnp.int32(rid), jnp.int32(len(prompt)), jnp.float32(self.cfg.temperature),
+                                  seed=self.cfg.seed, greedy=self.greedy))
+        finished = max_new <= 1 or bool(np.isin(first, self.stop_ids))
+        self.state = _admit_slot(st.replace(cache=cache, dcache=dcache), jnp.int32(slot), jnp.int32(rid),
+                                 jnp.int32(first), jnp.int32(max_new), jnp.bool_(not finished))
+        return first, finished
+
+    def _prefill_caches(self, cache, dcache, slot: int, prompt: Sequence[int], *, write_context: bool):
+        """Chunked prefill of ``prompt`` into ``slot`` from position 0: the target cache and, with
+        ``write_context``, the drafter's context. Returns (last logits, cache, dcache); both caches donated."""
         ids = np.asarray(prompt, np.int32)
         done = 0
         for size, take in prefill_chunks(len(ids)):
@@ -404,16 +415,11 @@ class Engine:
             chunk[:take] = ids[done : done + take]
             logits, extras, cache = prefill(self.target.weights, cache, chunk, jnp.int32(slot), jnp.int32(done),
                                             jnp.int32(take), self.target.cfg)
-            if self.drafter is not None:
+            if write_context:
                 dcache = _write_chunk_context(self.d_graph, self.d_state, dcache, extras.taps, jnp.int32(slot),
                                               jnp.int32(done), jnp.int32(take))
             done += take
-        first = int(_sample_first(logits, jnp.int32(rid), jnp.int32(len(prompt)), jnp.float32(self.cfg.temperature),
-                                  seed=self.cfg.seed, greedy=self.greedy))
-        finished = max_new <= 1 or bool(np.isin(first, self.stop_ids))
-        self.state = _admit_slot(st.replace(cache=cache, dcache=dcache), jnp.int32(slot), jnp.int32(rid),
-                                 jnp.int32(first), jnp.int32(max_new), jnp.bool_(not finished))
-        return first, finished
+        return logits, cache, dcache
 
     def warm_up(self, max_prompt_tokens: int) -> int:
         """Compile every program a run with prompts up to ``max_prompt_tokens`` can need (all row buckets,

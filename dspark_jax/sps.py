@@ -478,13 +478,18 @@ class CostModel:
                     raw[c, r, t], spread[c, r, t] = raw[src], spread[src]
         return raw, spread
 
+    def verify_cells(self) -> np.ndarray:
+        """Verification seconds at every grid cell as the model reads them: the measured (filled) cells
+        lowered to their monotone minorant in context, rows and batch (:func:`_monotone_minorant`; timing
+        noise only adds time): float64 [C, R, T]."""
+        return _monotone_minorant(self.filled_verify()[0], (0, 1, 2))
+
     def verify_grid(self, interpolation: str = "linear") -> np.ndarray:
-        """Verification seconds for every batch ``b = 0..max_tokens``: float64 [C, R, N], from the measured
-        (filled) cells lowered to their monotone minorant in context, rows and batch
-        (:func:`_monotone_minorant`)."""
+        """Verification seconds for every batch ``b = 0..max_tokens``: float64 [C, R, N], interpolated
+        between :meth:`verify_cells`."""
         if interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation: expected one of {INTERPOLATIONS}, got {interpolation!r}")
-        verify = _monotone_minorant(self.filled_verify()[0], (0, 1, 2))
+        verify = self.verify_cells()
         xs = np.asarray(self.batch_tokens, np.float64)
         b = np.arange(self.max_tokens + 1, dtype=np.float64)
         return np.stack([np.stack([_interpolate(xs, row, b, interpolation) for row in ctx]) for ctx in verify])
@@ -513,8 +518,8 @@ class CostModel:
 
     def drafting_rounds_s(self) -> np.ndarray:
         """Draft plus verification seconds, before any overhead, at every measured (filled) grid cell, as the
-        model reads them (monotone minorants, :meth:`verify_grid`, :meth:`draft_grid`): float64 [C, R, T]."""
-        return _monotone_minorant(self.filled_verify()[0], (0, 1, 2)) + self.draft_grid()[:, :, None]
+        model reads them (:meth:`verify_cells`, :meth:`draft_grid`): float64 [C, R, T]."""
+        return self.verify_cells() + self.draft_grid()[:, :, None]
 
     def draft_overhead_table(self, spread: bool = False) -> np.ndarray:
         """The drafting round's overhead (or its spread) at each row count and padded batch: float64 [R, T],
@@ -539,16 +544,15 @@ class CostModel:
 
     def drafting_grid(self, interpolation: str = "linear") -> np.ndarray:
         """Verification plus the drafting round's overhead for every batch ``b = 0..max_tokens``: float64
-        [C, R, N]. The verification cells are first lowered to their monotone minorant in context, rows and
-        batch (as :meth:`verify_grid`; timing noise only adds time). The overhead, a difference of two
+        [C, R, N]. The verification cells are read as :meth:`verify_cells` (their monotone minorant in
+        context, rows and batch; timing noise only adds time). The overhead, a difference of two
         measured times, is noisy both ways: at each context and row count the sum is then fitted by the
         closest non-decreasing sequence over the batch (least squares, pool adjacent violators), so a round
         that verifies more tokens never costs less and two cells out of order are averaged rather than one
         of them trusted; then interpolated over the batch as :meth:`verify_grid` is."""
         if interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation: expected one of {INTERPOLATIONS}, got {interpolation!r}")
-        verify = _monotone_minorant(self.filled_verify()[0], (0, 1, 2))  # as verify_grid
-        points = verify + self.draft_overhead_table()[None]  # [C, R, T]
+        points = self.verify_cells() + self.draft_overhead_table()[None]  # [C, R, T]
         xs = np.asarray(self.batch_tokens, np.float64)
         b = np.arange(self.max_tokens + 1, dtype=np.float64)
         return np.stack([np.stack([_interpolate(xs, _nondecreasing(row), b, interpolation) for row in ctx])

@@ -29,12 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.drafters import resolve_drafter
-from dspark_jax.engine import (Engine, EngineConfig, _after_round, _pow2, _verify_and_commit, _window,
-                               _write_chunk_context)
-from dspark_jax.models.llama import LlamaModel, bucket_for, prefill, prefill_chunks
+from dspark_jax.engine import Engine, EngineConfig, _after_round, _pow2, _verify_and_commit, _window
+from dspark_jax.models.llama import LlamaModel, bucket_for
 from dspark_jax.sps import default_sps_table
 from dspark_jax.timing import device_info, format_table, write_json
-
 
 
 def new_tokens(pairs: int) -> int:
@@ -100,17 +98,8 @@ def closed_gate_costs(model: LlamaModel, drafter, temps, rows: int, pairs: int, 
     def prefill_run(write: bool):
         def run():
             st = eng.state
-            cache, dcache, done = st.cache, st.dcache, 0
             t = time.perf_counter()
-            for size, take in prefill_chunks(len(ids)):
-                chunk = np.zeros(size, np.int32)
-                chunk[:take] = ids[done:done + take]
-                _, extras, cache = prefill(model.weights, cache, chunk, jnp.int32(0), jnp.int32(done),
-                                           jnp.int32(take), model.cfg)
-                if write:
-                    dcache = _write_chunk_context(eng.d_graph, eng.d_state, dcache, extras.taps, jnp.int32(0),
-                                                  jnp.int32(done), jnp.int32(take))
-                done += take
+            _, cache, dcache = eng._prefill_caches(st.cache, st.dcache, 0, ids, write_context=write)
             jax.block_until_ready((cache, dcache))
             elapsed = time.perf_counter() - t
             eng.state = st.replace(cache=cache, dcache=dcache)  # slot 0's prompt rewritten in place
