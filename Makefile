@@ -21,7 +21,7 @@ demo: $(VENV)/.base
 	$(PY) -m dspark_jax.demo
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 clean:
 	rm -rf $(VENV)
