@@ -148,11 +148,13 @@ class EngineConfig:
     # benchmark). 0 trusts the estimates as they are.
     gate_margin: float = 0.05
     # Correct the cost model's drafting and plain round times by the engine's own measurements before the
-    # gate compares them (`Engine.time_scale`: a host factor and the drafting rounds' excess over it). Off by
-    # default: with the shipped table on the 2-core CPU it was no faster at 1, 4 or 16 users (README, Engine).
-    # The output stays lossless either way; with it, which rounds draft depends on timings, so sampled tokens
-    # (not their law) can differ between runs of the same seed.
-    calibrate_times: bool = False
+    # gate compares them (`Engine.time_scale`: a host factor and the drafting rounds' excess over it). On by
+    # default: a table measured on another host, or on this one while it was busy, can misprice the two kinds
+    # of round against each other by half (README, Engine: at 16 users the shipped table priced a drafting
+    # round at 1.4 x a plain one where the engine ran 2.1 x, and the gate drafted in a third of the rounds,
+    # each losing). The output stays lossless either way; with it, which rounds draft depends on timings, so
+    # sampled tokens (not their law) can differ between runs of the same seed: False for reproducible samples.
+    calibrate_times: bool = True
     # The dspark policies: extend each round's schedule with the next-ranked drafts up to the padded batch
     # the verification runs anyway (`scheduler.fill_to_bucket`, lossless), and let the drafter gate price a
     # round at the padded batch it pays for, with the filled schedule's expected tokens.

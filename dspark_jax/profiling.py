@@ -570,7 +570,8 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
         for batch in kinds:
             engines[batch] = Engine(target, drafter, "dspark",
                                     EngineConfig(num_slots=R, capacity=capacity, temperature=temperature,
-                                                 window_rule=cost.window_rule, gate_probe_every=10**9),
+                                                 window_rule=cost.window_rule, gate_probe_every=10**9,
+                                                 calibrate_times=False),
                                     sps=_forced_table(base, "drafting" if batch else "plain", batch or None),
                                     stop_ids=())
             for _ in range(R):

@@ -1,5 +1,6 @@
 """The engine: lossless greedy and sampled decoding for every policy, continuous batching, no recompiles."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -253,7 +254,8 @@ def test_dspark_rounds_fill_the_padded_batch(model, drafter):
     share = {}
     for fill in (True, False):
         for policy in ("dspark", "dspark-async"):  # the shapes of the other gate tests: programs shared
-            e = eng.Engine(model, drafter, policy, eng.EngineConfig(num_slots=4, capacity=64, fill_buckets=fill),
+            e = eng.Engine(model, drafter, policy, eng.EngineConfig(num_slots=4, capacity=64, fill_buckets=fill,
+                                                                          calibrate_times=False),
                            sps=synthetic_cost_table(), stop_ids=[])
             assert [c.output_ids for c in e.run(ps, 30)] == [r.output_ids for r in ref], (policy, fill)
             # rounds with drafts and every request far from its limit (no cap shortened a row)
@@ -290,7 +292,7 @@ def test_gate_margin_asks_drafting_for_a_clear_gain(model, drafter):
     ref, _ = plain_generate(model, ps, 12, 0.0, num_slots=3, stop_ids=[], capacity=64)
     for margin, drafts in ((0.0, True), (50.0, False)):
         e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000,
-                                                                  gate_margin=margin),
+                                                                  gate_margin=margin, calibrate_times=False),
                        sps=synthetic_cost_table(draft_cost=0.0), stop_ids=[])
         assert [c.output_ids for c in e.run(ps, 12)] == [r.output_ids for r in ref]
         assert any(r.drafted for r in e.rounds) == drafts, margin
@@ -344,6 +346,29 @@ def test_measured_round_times_correct_the_cost_model(model, drafter):
     assert any(r.drafted for r in e.rounds)
     e.reset_time_scale()
     assert e.time_scale == (1.0, 1.0)
+
+
+def test_measured_round_times_close_the_gate_on_a_table_that_prices_drafting_low(model, drafter):
+    """The other direction, the one the default (calibrate_times on) guards against: a table that prices a
+    drafting round at a plain one's cost makes the gate draft; once the engine has measured drafting rounds
+    at four times their price, it stops (output lossless either way)."""
+    ps = prompts(3, seed=4)
+    ref, _ = plain_generate(model, ps, 12, 0.0, num_slots=3, stop_ids=[], capacity=64)
+    table = synthetic_cost_table(draft_cost=0.0)
+    assert eng.EngineConfig().calibrate_times
+    base = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000,
+                                                                 calibrate_times=False), sps=table, stop_ids=[])
+    assert [c.output_ids for c in base.run(ps, 12)] == [r.output_ids for r in ref]
+    assert any(r.drafted for r in base.rounds)
+    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000),
+                   sps=table, stop_ids=[])
+    for _ in range(100):
+        e._observe_round(True, 4.0, 1.0)
+        e._observe_round(False, 1.0, 1.0)
+    assert e.time_scale[0] == pytest.approx(4.0, rel=0.05)
+    e.cfg = dataclasses.replace(e.cfg, calibrate_times=False)  # freeze what was learned
+    assert [c.output_ids for c in e.run(ps, 12)] == [r.output_ids for r in ref]
+    assert not any(r.drafted for r in e.rounds)
 
 
 def _time_probe():
@@ -401,7 +426,8 @@ def test_expensive_probes_come_less_often(model, drafter):
     gaps = {}
     for budget in (float("inf"), 2.0):
         e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=2,
-                                                                  gate_probe_budget=budget), sps=table, stop_ids=[])
+                                                                  gate_probe_budget=budget, calibrate_times=False),
+                       sps=table, stop_ids=[])
         assert [c.output_ids for c in e.run(ps, 30)] == [r.output_ids for r in ref]
         drafted = [i for i, r in enumerate(e.rounds) if r.drafted]
         assert len(drafted) >= 2
@@ -451,7 +477,8 @@ def test_gate_averages_survival_not_confidences():
 def test_gate_scales_expected_drafts_by_what_verification_accepted(model, drafter):
     """Confidences that ran high on the served prompts (verification accepted less than they predicted in
     recent drafted rounds) lower the gate's estimate; the sums follow the drafted rounds."""
-    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000),
+    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000,
+                                                              calibrate_times=False),
                    sps=synthetic_cost_table(draft_cost=0.0), stop_ids=[])
     state = e.state.replace(active=e.state.active.at[0].set(True), conf_ema=e.state.conf_ema.at[0].set(1.0))
     rows, valid = eng._device_rows(state.active, 1)
