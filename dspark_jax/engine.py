@@ -155,6 +155,14 @@ class EngineConfig:
     # each losing). The output stays lossless either way; with it, which rounds draft depends on timings, so
     # sampled tokens (not their law) can differ between runs of the same seed: False for reproducible samples.
     calibrate_times: bool = True
+    # The dspark policies, above a load where drafting never pays on the hardware (as vLLM's "disable
+    # speculation by batch size"): a request that joins with more than this many requests active (itself and
+    # those joining with it included) is admitted without the drafter's context (the K/V its prompt and tokens
+    # would give the drafter are never computed). While no active request has a context, the rounds run plain
+    # decoding's own programs (what `none` runs: nothing of the drafter); while some have one and some not,
+    # the drafter waits (gate closed, contexts still written) until those without one finish. None: every
+    # request keeps its context and the gate decides every round (the default; README, Engine).
+    drafter_off_above: int | None = None
     # The dspark policies: extend each round's schedule with the next-ranked drafts up to the padded batch
     # the verification runs anyway (`scheduler.fill_to_bucket`, lossless), and let the drafter gate price a
     # round at the padded batch it pays for, with the filled schedule's expected tokens.
@@ -298,6 +306,10 @@ class Engine:
             raise ValueError(f"gate_probe_every: expected an integer >= 1, got {config.gate_probe_every}")
         if not (np.isfinite(config.gate_margin) and config.gate_margin >= 0):
             raise ValueError(f"gate_margin: expected a finite share >= 0, got {config.gate_margin}")
+        if config.drafter_off_above is not None and not (isinstance(config.drafter_off_above, (int, np.integer))
+                                                          and config.drafter_off_above >= 1):
+            raise ValueError(f"drafter_off_above: expected None or a number of requests >= 1, got "
+                             f"{config.drafter_off_above!r}")
         if not config.gate_probe_budget > 0:
             raise ValueError(f"gate_probe_budget: expected a share > 0 (inf: probe every gate_probe_every "
                              f"rounds), got {config.gate_probe_budget}")
@@ -323,6 +335,8 @@ class Engine:
         # host mirrors
         self.slot_request = np.full(S, -1)
         self.slot_length = np.zeros(S, np.int64)
+        self.slot_context = np.zeros(S, bool)  # the request in the slot has the drafter's context
+        self.admissions = {"context": 0, "no_context": 0}  # requests admitted with and without it
         self.requests: dict[int, Completion] = {}
         self.pending: deque[tuple[int, list[int], int]] = deque()
         self.next_id = 0
@@ -331,6 +345,7 @@ class Engine:
         self.record_confidences = False
         self._gate_probe = config.gate_probe_every if self.cost is not None else 0  # cost: dspark policies only
         self._gate_closed = False  # the last round found that the drafter would not pay next round
+        self._may_drop_context = self.policy.kind in ("dspark", "dspark-async") and config.drafter_off_above is not None
         self._no_conf: dict[int, tuple[jax.Array, jax.Array]] = {}
         self.reset_time_scale()
         self.on_token: Callable[[int, int], None] | None = None
@@ -380,10 +395,14 @@ class Engine:
         """Prefill queued requests into free slots and emit their first token; returns tokens emitted."""
         free = [s for s in range(self.cfg.num_slots) if self.slot_request[s] < 0]
         emitted = 0
+        load = int((self.slot_request >= 0).sum()) + min(len(free), len(self.pending))  # once these have joined
         while free and self.pending:
             s = free[0]
             rid, prompt, max_new = self.pending.popleft()
-            first, done = self._prefill(s, rid, prompt, max_new)
+            context = self._admission_context(load)
+            first, done = self._prefill(s, rid, prompt, max_new, context=context)
+            if self.drafter is not None:
+                self.admissions["context" if context else "no_context"] += 1
             self._emit(rid, [first])
             emitted += 1
             if done:
@@ -393,13 +412,25 @@ class Engine:
             free.pop(0)
             self.slot_request[s] = rid
             self.slot_length[s] = len(prompt)
+            self.slot_context[s] = context
         return emitted
 
-    def _prefill(self, slot: int, rid: int, prompt: list[int], max_new: int) -> tuple[int, bool]:
-        """Chunked prefill of the prompt into ``slot`` (target cache and drafter context); first token."""
+    def _admission_context(self, load: int) -> bool:
+        """Whether a request joining now gets the drafter's context (``drafter_off_above``), at the ``load``
+        (active requests) it will decode with: those active and those joining with it."""
+        if self.drafter is None:
+            return False
+        if not self._may_drop_context:  # fixed and threshold policies always draft
+            return True
+        return load <= self.cfg.drafter_off_above
+
+    def _prefill(self, slot: int, rid: int, prompt: list[int], max_new: int, *, context: bool = True
+                 ) -> tuple[int, bool]:
+        """Chunked prefill of the prompt into ``slot`` (target cache and, with ``context``, the drafter's);
+        first token."""
         st = self.state
         logits, cache, dcache = self._prefill_caches(st.cache, st.dcache, slot, prompt,
-                                                     write_context=self.drafter is not None)
+                                                     write_context=self.drafter is not None and context)
         first = int(_sample_first(logits, jnp.int32(rid), jnp.int32(len(prompt)), jnp.float32(self.cfg.temperature),
                                   seed=self.cfg.seed, greedy=self.greedy))
         finished = max_new <= 1 or bool(np.isin(first, self.stop_ids))
@@ -470,6 +501,14 @@ class Engine:
                         seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G, window=w, greedy=self.greedy,
                         drafting=drafting, per_slot=per_slot)
                     shapes += 1
+            if self._may_drop_context:  # rounds where no request has the drafter's context: none's programs
+                for T, _ in sorted(plain):
+                    for w in windows:
+                        self.state, out = _verify_and_commit(
+                            self.target.weights, self.state, None, None, None, None, None, None, temp,
+                            jnp.asarray(self.stop_ids), seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G,
+                            window=w, greedy=self.greedy, drafting=False, per_slot=1)
+                        shapes += 1
             if self.cost is not None:
                 _after_round(self.cost, scale, self.state, jnp.int32(R), jnp.int32(0), jnp.int32(R), drafted_arr, R=R,
                              probe_every=self._gate_probe, probe_budget=self.cfg.gate_probe_budget,
@@ -503,10 +542,14 @@ class Engine:
         longest = int(self.slot_length[active_slots].max())
         window = _window(longest + G + 1, self.cfg.capacity, self.cfg.window_rule)
         temp = jnp.float32(self.cfg.temperature)
-        drafting = self.drafter is not None
+        # The drafter's context: every active request has it (the gate decides), none has it (plain decoding's
+        # own programs: nothing of the drafter runs) or some have it (the drafter waits, contexts are written).
+        context = self.slot_context[active_slots]
+        drafting = self.drafter is not None and bool(context.any())
+        can_draft = drafting and bool(context.all())
         scale = self._time_scale_dev
         # The last round decided this round's gate for the same requests; a new request reopens the question.
-        known_closed = self._gate_closed and not (active & ~was_active).any()
+        known_closed = (self._gate_closed and not (active & ~was_active).any()) or not can_draft
         if drafting and not known_closed:
             d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed, self.head_w,
                                     self.temps, self.sps, self.cost, scale, temp, self._policy_value,
@@ -519,7 +562,7 @@ class Engine:
         else:
             d, B = None, n
         T = bucket_for(B)
-        conf, drafted_arr = self._round_conf(d, R)
+        conf, drafted_arr = self._round_conf(d, R) if drafting else (None, None)
         self.state, out = _verify_and_commit(
             self.target.weights, self.state, d if B > n else None, conf, drafted_arr,
             self.d_graph if drafting else None, self.d_state if drafting else None,
@@ -527,7 +570,7 @@ class Engine:
             seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G, window=window, greedy=self.greedy,
             drafting=drafting, per_slot=G + 1 if B > n else 1)
         after = (jnp.float32(np.nan), jnp.bool_(True))
-        if self.cost is not None:
+        if self.cost is not None and can_draft:
             after = _after_round(self.cost, scale, self.state, jnp.int32(n), jnp.int32(longest), jnp.int32(B),
                                  drafted_arr, R=R, probe_every=self._gate_probe,
                                  probe_budget=self.cfg.gate_probe_budget, fill=self.cfg.fill_buckets,

@@ -319,6 +319,69 @@ def test_closed_gate_skips_the_draft_program(model, drafter, monkeypatch):
     assert not any(r.drafted for r in e.rounds)
 
 
+def _spy(monkeypatch, name, log):
+    real = getattr(eng, name)
+    monkeypatch.setattr(eng, name, lambda *a, **k: log.append(k) or real(*a, **k))
+
+
+def test_above_drafter_off_load_the_rounds_are_plain_programs(model, drafter, monkeypatch):
+    """With drafter_off_above = 2, three requests joining together are admitted without the drafter's
+    context and their rounds are plain decoding's own programs (no context write, no draft or gate
+    program); by default (None) the context is kept and written every round. Output lossless either way."""
+    ps = prompts(5, seed=6)
+    ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
+    for off_above in (2, None):
+        cfg = eng.EngineConfig(num_slots=3, capacity=64, drafter_off_above=off_above)
+        e = eng.Engine(model, drafter, "dspark", cfg, sps=synthetic_cost_table(draft_cost=0.0), stop_ids=[])
+        if off_above:
+            e.warm_up(max_prompt_tokens=20)  # compiles plain decoding's programs too
+        verifies, drafts, prefill_ctx, gates = [], [], [], []
+        _spy(monkeypatch, "_verify_and_commit", verifies)
+        _spy(monkeypatch, "_draft_and_schedule", drafts)
+        _spy(monkeypatch, "_write_chunk_context", prefill_ctx)
+        _spy(monkeypatch, "_after_round", gates)
+        with count_compilations() as n:
+            assert [c.output_ids for c in e.run(ps, 10)] == [r.output_ids for r in ref]
+        assert n() == 0 or not off_above
+        monkeypatch.undo()
+        if off_above:  # 3 then 4 and 5 joining a load of 3 (or fewer, as the first leave: then with the context)
+            assert e.admissions["context"] + e.admissions["no_context"] == 5 and e.admissions["no_context"] >= 3
+            assert not any(r.drafted for r in e.rounds[:3])
+            assert all(not k["drafting"] for k in verifies[:3]) and len(drafts) < len(verifies)
+        else:
+            assert e.admissions == {"context": 5, "no_context": 0}
+            assert prefill_ctx and all(k["drafting"] for k in verifies) and gates
+            assert any(r.drafted for r in e.rounds)
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="drafter_off_above: expected None or a number of requests >= 1"):
+            eng.Engine(model, drafter, "dspark", eng.EngineConfig(drafter_off_above=bad), sps=synthetic_cost_table())
+
+
+def test_the_drafter_waits_for_requests_without_its_context(model, drafter):
+    """Requests admitted above drafter_off_above keep the drafter waiting while they are active (their
+    context is missing); once they finish, a request admitted at a light load drafts again."""
+    ps = prompts(4, seed=13)
+    ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
+    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=3, capacity=64, calibrate_times=False,
+                                                              drafter_off_above=1),
+                   sps=synthetic_cost_table(draft_cost=0.0), stop_ids=[])  # a free drafter
+    ids = [e.submit(ps[0], 6)]  # the shortest: it leaves first
+    e.step()  # alone: it has the context
+    ids += [e.submit(p, 10) for p in ps[1:3]]  # joining at a load of three: they have not
+    e.rounds.clear()
+    while not e.idle():
+        e.step()
+    assert e.admissions == {"context": 1, "no_context": 2}
+    assert not any(r.drafted for r in e.rounds)  # nobody drafts while one of them is active
+    e.rounds.clear()
+    ids.append(e.submit(ps[3], 10))  # alone: the context again, and the gate decides
+    while not e.idle():
+        e.step()
+    assert e.admissions == {"context": 2, "no_context": 2}
+    assert any(r.drafted for r in e.rounds)
+    assert [e.requests[i].output_ids for i in ids] == [ref[0].output_ids[:6]] + [r.output_ids for r in ref[1:]]
+
+
 def test_measured_round_times_correct_the_cost_model(model, drafter):
     """The gate reads the cost model's round times times what the engine measured: a drafter the table
     charges too much for is used once the engine has seen that drafting rounds are cheaper than predicted."""
