@@ -492,23 +492,18 @@ class Engine:
             hi = R * (G + 1) if drafting else R
             plain = {(bucket_for(b), 1) for b in range(lo, R + 1)}  # rounds without drafts: B = n
             spec = {(bucket_for(b), G + 1) for b in range(lo + 1, hi + 1)} if drafting else set()
-            for T, per_slot in sorted(plain | spec):
+            kinds = [(T, per_slot, drafting) for T, per_slot in sorted(plain | spec)]
+            if self._may_drop_context:  # rounds where no request has the drafter's context: none's programs
+                kinds += [(T, 1, False) for T, _ in sorted(plain)]
+            for T, per_slot, ctx in kinds:
                 for w in windows:
                     self.state, out = _verify_and_commit(
-                        self.target.weights, self.state, d if per_slot > 1 else None, conf, drafted_arr,
-                        self.d_graph if drafting else None, self.d_state if drafting else None,
-                        self.draft_vocab if drafting else None, temp, jnp.asarray(self.stop_ids),
+                        self.target.weights, self.state, d if per_slot > 1 else None, conf if ctx else None,
+                        drafted_arr if ctx else None, self.d_graph if ctx else None, self.d_state if ctx else None,
+                        self.draft_vocab if ctx else None, temp, jnp.asarray(self.stop_ids),
                         seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G, window=w, greedy=self.greedy,
-                        drafting=drafting, per_slot=per_slot)
+                        drafting=ctx, per_slot=per_slot)
                     shapes += 1
-            if self._may_drop_context:  # rounds where no request has the drafter's context: none's programs
-                for T, _ in sorted(plain):
-                    for w in windows:
-                        self.state, out = _verify_and_commit(
-                            self.target.weights, self.state, None, None, None, None, None, None, temp,
-                            jnp.asarray(self.stop_ids), seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G,
-                            window=w, greedy=self.greedy, drafting=False, per_slot=1)
-                        shapes += 1
             if self.cost is not None:
                 _after_round(self.cost, scale, self.state, jnp.int32(R), jnp.int32(0), jnp.int32(R), drafted_arr, R=R,
                              probe_every=self._gate_probe, probe_budget=self.cfg.gate_probe_budget,
