@@ -302,12 +302,17 @@ def test_gate_margin_asks_drafting_for_a_clear_gain(model, drafter):
                        sps=synthetic_cost_table())
 
 
+def _spy(monkeypatch, name, log):
+    """Record the keyword arguments of every call to the engine's jitted part ``name`` in ``log``."""
+    real = getattr(eng, name)
+    monkeypatch.setattr(eng, name, lambda *a, **k: log.append(k) or real(*a, **k))
+
+
 def test_closed_gate_skips_the_draft_program(model, drafter, monkeypatch):
     """Once a round finds the drafter will not pay for the same requests, the next rounds do not run the draft
     program at all (no dispatch, no host read) until someone joins; output stays that of plain decoding."""
     calls = []
-    real = eng._draft_and_schedule
-    monkeypatch.setattr(eng, "_draft_and_schedule", lambda *a, **k: calls.append(k["R"]) or real(*a, **k))
+    _spy(monkeypatch, "_draft_and_schedule", calls)
     ps = prompts(5, seed=6)
     ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
     e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=3, capacity=64, gate_probe_every=1000,
@@ -317,11 +322,6 @@ def test_closed_gate_skips_the_draft_program(model, drafter, monkeypatch):
     admissions = sum(1 for i, r in enumerate(e.rounds) if i == 0 or r.finished)  # rounds after a slot freed
     assert 1 <= len(calls) <= admissions < len(e.rounds)
     assert not any(r.drafted for r in e.rounds)
-
-
-def _spy(monkeypatch, name, log):
-    real = getattr(eng, name)
-    monkeypatch.setattr(eng, name, lambda *a, **k: log.append(k) or real(*a, **k))
 
 
 def test_above_drafter_off_load_the_rounds_are_plain_programs(model, drafter, monkeypatch):
