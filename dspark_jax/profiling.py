@@ -70,6 +70,8 @@ __all__ = [
     "profile_sps_table",
     "profile_round_overhead",
     "add_round_overhead",
+    "HostSpeed",
+    "timed_jobs",
 ]
 
 DEFAULT_BLOCK = 7
@@ -221,17 +223,10 @@ def verify_batch(*, rows: int, batch_tokens: int, context: int, block: int, voca
     return tokens, slots, positions, idx < n_valid
 
 
-def time_verify(weights: LlamaWeights, cfg: LlamaConfig, *, rows: int, batch_tokens: int, context: int,
-                block: int = DEFAULT_BLOCK, window_rule: str = "pow2", repeats: int = 5, warmup: int = 1,
-                max_seconds: float | None = None, plain: bool = False) -> Timing:
-    """Seconds per packed verification of ``batch_tokens`` (T, padded size) over ``rows`` (R) requests that
-    each hold ``context`` (L) tokens, as the engine runs it.
-
-    ``B = min(T, R * (G + 1))`` tokens are valid, dealt round-robin over the rows (positions ``L, L + 1,
-    ...``); the rest is padding. The cache has R slots of ``Wv = window(L + G + 1)`` positions, all read.
-    ``plain``: a round that verifies no drafts, as the engine runs it: one token per row (``B = R``) and
-    ``max_per_slot = 1``.
-    """
+def _verify_step(weights: LlamaWeights, cfg: LlamaConfig, *, rows: int, batch_tokens: int, context: int,
+                 block: int, window_rule: str, plain: bool):
+    """A thunk running the packed verification :func:`time_verify` times (its cache allocated here, donated and
+    replaced at each call), and a function that frees the cache."""
     if rows < 1 or batch_tokens < 1 or context < 0:
         raise ValueError(f"rows, batch_tokens >= 1 and context >= 0 expected, got {rows}, {batch_tokens}, {context}")
     M = 1 if plain else block + 1
@@ -251,10 +246,130 @@ def time_verify(weights: LlamaWeights, cfg: LlamaConfig, *, rows: int, batch_tok
                                                         cfg, max_per_slot=M, row_slots=row_slots, context=W)
         return logits, extras
 
+    return step, state.clear
+
+
+def time_verify(weights: LlamaWeights, cfg: LlamaConfig, *, rows: int, batch_tokens: int, context: int,
+                block: int = DEFAULT_BLOCK, window_rule: str = "pow2", repeats: int = 5, warmup: int = 1,
+                max_seconds: float | None = None, plain: bool = False) -> Timing:
+    """Seconds per packed verification of ``batch_tokens`` (T, padded size) over ``rows`` (R) requests that
+    each hold ``context`` (L) tokens, as the engine runs it.
+
+    ``B = min(T, R * (G + 1))`` tokens are valid, dealt round-robin over the rows (positions ``L, L + 1,
+    ...``); the rest is padding. The cache has R slots of ``Wv = window(L + G + 1)`` positions, all read.
+    ``plain``: a round that verifies no drafts, as the engine runs it: one token per row (``B = R``) and
+    ``max_per_slot = 1``.
+    """
+    step, free = _verify_step(weights, cfg, rows=rows, batch_tokens=batch_tokens, context=context, block=block,
+                              window_rule=window_rule, plain=plain)
     try:
         return time_call(step, repeats=repeats, warmup=warmup, max_seconds=max_seconds)
     finally:
-        del state["cache"]
+        free()
+
+
+class HostSpeed:
+    """How fast the host runs at each moment of a profile, from a small reference program timed between
+    the measurements: a plain round (one row, no drafts) at ``context``.
+
+    A shared machine's speed drifts while a profile runs (other tenants, clocks: 30-40% within an hour on
+    the 2-core host this project is developed on), and a table measured cell after cell then prices the
+    cells measured in a slow stretch too high: the plain rounds, measured last, against the drafting
+    rounds, exactly the ratio the drafter gate reads. Each measurement is rescaled by ``reference /
+    local``: ``local`` the reference program's time around it (the median of the ``window`` probes nearest
+    it), ``reference`` the median over the whole profile, or the value a table recorded (so that a part
+    measured later, :func:`add_round_overhead`, lands at the table's speed).
+    """
+
+    def __init__(self, weights: LlamaWeights, cfg: LlamaConfig, *, context: int, block: int = DEFAULT_BLOCK,
+                 window_rule: str = "pow2", probe_seconds: float = 0.1, window: int = 5,
+                 reference: float | None = None):
+        if not probe_seconds > 0 or window < 1:
+            raise ValueError(f"probe_seconds > 0 and window >= 1 expected, got {probe_seconds} and {window}")
+        if reference is not None and not reference > 0:
+            raise ValueError(f"reference: a positive time in seconds expected, got {reference}")
+        self.context, self.window = int(context), window
+        self.describe = reference_label(self.context, window_rule)
+        self._step, _ = _verify_step(weights, cfg, rows=1, batch_tokens=1, context=self.context, block=block,
+                                     window_rule=window_rule, plain=True)
+        jax.block_until_ready(self._step())  # compiles
+        once = time_call(self._step, repeats=3, warmup=1).median
+        # A probe is the median of ``calls`` calls lasting about ``probe_seconds`` together (3 to 100 calls):
+        # a fast program's single calls are mostly dispatch jitter.
+        self.calls = int(np.clip(np.ceil(probe_seconds / max(once, 1e-9)), 3, 100))
+        self.probes: list[float] = []
+        self._reference = reference
+
+    def probe(self) -> int:
+        """Time the reference program now (the median of ``calls`` calls); returns the probe's index."""
+        self.probes.append(time_call(self._step, repeats=self.calls, warmup=0).median)
+        return len(self.probes) - 1
+
+    @property
+    def reference(self) -> float:
+        """Seconds of the reference program at the speed every measurement is put at (fixed once read)."""
+        if self._reference is None:
+            if not self.probes:
+                raise ValueError("HostSpeed: no probe yet")
+            self._reference = float(np.median(self.probes))
+        return self._reference
+
+    def factor(self, between: tuple[int, int]) -> float:
+        """``reference / local`` for a measurement taken between the probes ``between`` (indices)."""
+        return host_factor(self.probes, between, self.reference, self.window)
+
+
+def reference_label(context: int, window_rule: str) -> str:
+    """What :class:`HostSpeed` times, as a table's metadata records it (``host_reference``)."""
+    return f"plain round, 1 row, L={int(context)}, window rule {window_rule!r}"
+
+
+def table_host_speed(table: SPSTable, weights: LlamaWeights, cfg: LlamaConfig) -> HostSpeed:
+    """A :class:`HostSpeed` for measuring more of ``table``: at the reference speed the table recorded
+    (``host_reference_s``), or, for a table that recorded none (or another reference program), at the
+    median speed of the new measurement."""
+    cm = table.cost_model
+    extra = table.metadata.extra
+    label = reference_label(cm.context_lengths[0], cm.window_rule)
+    recorded = extra.get("host_reference_s") if extra.get("host_reference") == label else None
+    return HostSpeed(weights, cfg, context=cm.context_lengths[0], block=cm.block, window_rule=cm.window_rule,
+                     reference=None if recorded is None else float(recorded))
+
+
+def host_factor(probes: Sequence[float], between: tuple[int, int], reference: float, window: int = 5) -> float:
+    """``reference / local``: ``local`` the median of the ``window`` probes nearest the span ``between``
+    (probe indices, inclusive), the span's own probes always among them."""
+    lo, hi = between
+    if not 0 <= lo <= hi < len(probes):
+        raise ValueError(f"probe span {between} outside 0..{len(probes) - 1}")
+    n = len(probes)
+    a = int(np.clip(round((lo + hi) / 2 - (window - 1) / 2), 0, max(n - window, 0)))
+    a, b = min(a, lo), max(a + window, hi + 1)
+    return float(reference / np.median(probes[a:b]))
+
+
+def rescaled(tm: Timing, factor: float) -> Timing:
+    """``tm`` at another host speed: every quantile times ``factor``."""
+    return Timing(tm.median * factor, tm.p25 * factor, tm.p75 * factor, tm.repeats)
+
+
+def timed_jobs(jobs: Sequence[Any], run, speed: HostSpeed | None, *, progress: bool = False, desc: str = "profiling",
+               label=str) -> list[Timing]:
+    """``run(job)`` (a :class:`Timing`) for every job, each rescaled to the reference speed of ``speed``
+    (probed before the first job, between jobs and after the last; None: as measured)."""
+    out = []
+    bar = tqdm(jobs, disable=not progress, desc=desc, unit="cell")
+    spans = []
+    for job in bar:
+        bar.set_postfix_str(label(job))
+        before = speed.probe() if speed is not None else 0
+        out.append(run(job))
+        spans.append(before)
+    if speed is None:
+        return out
+    last = speed.probe()
+    spans = [(b, spans[i + 1] if i + 1 < len(spans) else last) for i, b in enumerate(spans)]
+    return [rescaled(tm, speed.factor(span)) for tm, span in zip(out, spans)]
 
 
 @functools.lru_cache(maxsize=8)
@@ -293,7 +408,8 @@ def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter
                        context_lengths: Sequence[int], batch_tokens: Sequence[int],
                        rows: Sequence[int] | None = None, cells: Sequence[tuple[int, int]] | None = None,
                        block: int = DEFAULT_BLOCK, window_rule: str = "pow2", repeats: int = 5, warmup: int = 1,
-                       max_seconds: float | None = None, progress: bool = False) -> CostModel:
+                       max_seconds: float | None = None, speed: HostSpeed | None = None,
+                       progress: bool = False) -> CostModel:
     """Measure a :class:`~dspark_jax.sps.CostModel`: the verification ``cells`` (default: every feasible
     cell, :func:`verify_cells`), a plain round (no drafts) and the drafter at every row count, at every
     context length.
@@ -308,6 +424,7 @@ def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter
       block: G, drafted tokens per request (verification holds G + 1 per request).
       window_rule: how the engine picks attention windows (``sps.context_window``).
       repeats, warmup, max_seconds: see ``timing.time_call``.
+      speed: rescale every measurement to its reference host speed (:class:`HostSpeed`); None: as measured.
       progress: show a progress bar.
     """
     if drafter is not None and drafter.cfg.block != block:
@@ -342,21 +459,31 @@ def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter
     draft_spread = [[0.0] * R for _ in range(C)]
     jobs = [(c, "draft", r, 0) for c in range(C) for r in rows if drafter is not None]
     jobs += [(c, "verify", r, t) for c in range(C) for r, t in sorted(cells, key=lambda rt: rt[0] * rt[1])]
+    jobs += [(c, "plain", r, bucket_for(r)) for c in range(C) for r in rows]
     timing_kw = dict(repeats=repeats, warmup=warmup, max_seconds=max_seconds)
-    bar = tqdm(jobs, disable=not progress, desc="profiling", unit="cell")
-    for c, kind, r, t in bar:
-        bar.set_postfix_str(f"L={contexts[c]} {kind} R={r}" + (f" T={t}" if kind == "verify" else ""))
+
+    def run(job):
+        c, kind, r, t = job
         if kind == "draft":
-            tm = time_draft(drafter, weights.embed, rows=r, context=contexts[c], window_rule=window_rule,
-                            **timing_kw)
+            return time_draft(drafter, weights.embed, rows=r, context=contexts[c], window_rule=window_rule,
+                              **timing_kw)
+        return time_verify(weights, cfg, rows=r, batch_tokens=t, context=contexts[c], block=block,
+                           window_rule=window_rule, plain=kind == "plain", **timing_kw)
+
+    def label(job):
+        c, kind, r, t = job
+        return f"L={contexts[c]} {kind} R={r}" + (f" T={t}" if kind == "verify" else "")
+
+    plain_s = [[0.0] * R for _ in range(C)]
+    plain_spread = [[0.0] * R for _ in range(C)]
+    for (c, kind, r, t), tm in zip(jobs, timed_jobs(jobs, run, speed, progress=progress, label=label)):
+        if kind == "draft":
             draft_s[c][r_index[r]], draft_spread[c][r_index[r]] = tm.median, tm.spread
+        elif kind == "plain":
+            plain_s[c][r_index[r]], plain_spread[c][r_index[r]] = tm.median, tm.spread
         else:
-            tm = time_verify(weights, cfg, rows=r, batch_tokens=t, context=contexts[c], block=block,
-                             window_rule=window_rule, **timing_kw)
             verify[c][r_index[r]][t_index[t]] = tm.median
             verify_spread[c][r_index[r]][t_index[t]] = tm.spread
-    plain_s, plain_spread = profile_plain_rounds(weights, cfg, context_lengths=contexts, rows=rows, block=block,
-                                                 window_rule=window_rule, progress=progress, **timing_kw)
     return CostModel(block=block, context_step=CONTEXT_STEP, window_rule=window_rule, context_lengths=contexts,
                      windows=[w for w, _ in pairs], draft_windows=[w for _, w in pairs], rows=rows,
                      batch_tokens=batch_tokens, verify_s=verify, verify_spread_s=verify_spread, draft_s=draft_s,
@@ -381,7 +508,7 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
                       drafter: Drafter | None = None, with_drafter: bool = True, repeats: int = 5,
                       warmup: int = 1, max_seconds: float | None = None, device: jax.Device | None = None,
                       round_overhead: bool = True, overhead_row_count: int | None = None,
-                      progress: bool = False,
+                      host_speed: bool = True, progress: bool = False,
                       extra: dict[str, Any] | None = None) -> SPSTable:
     """Profile a whole table on ``device`` (default: JAX's choice): cost model, simple curve, metadata.
 
@@ -399,6 +526,8 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
       round_overhead: with a drafter, also measure what an engine round costs beyond the programs
         (:func:`profile_round_overhead`, greedy) at the smallest ``overhead_row_count`` row counts
         (default: all of them; the others take the largest one's value).
+      host_speed: put every measurement at the host's median speed over the profile (:class:`HostSpeed`;
+        recorded as ``host_reference_s``, with the probes' range as ``host_drift``).
       extra: more metadata.
     """
     device = select_device() if device is None else device
@@ -417,15 +546,18 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
             cells = diagonal_cells(buckets, max_rows=max_rows, block=block)
         else:
             cells = None
+        speed = (HostSpeed(weights, cfg, context=contexts[0], block=block, window_rule=window_rule)
+                 if host_speed else None)
         cost = profile_cost_model(weights, cfg, drafter, context_lengths=contexts, batch_tokens=buckets, rows=rows,
                                   cells=cells, block=block, window_rule=window_rule, repeats=repeats, warmup=warmup,
-                                  max_seconds=max_seconds, progress=progress)
+                                  max_seconds=max_seconds, speed=speed, progress=progress)
         if round_overhead and drafter is not None:
             from dspark_jax.models.llama import LlamaModel
 
             measure = cost.rows if overhead_row_count is None else cost.rows[:max(1, overhead_row_count)]
             cost = dataclasses.replace(cost, **profile_round_overhead(LlamaModel(cfg, weights), drafter, cost,
-                                                                      rows=measure, progress=progress))
+                                                                      rows=measure, speed=speed,
+                                                                      progress=progress))
     meta_extra = {
         "jax_version": jax.__version__,
         "host": f"{platform.machine()} {os.cpu_count()} cores",
@@ -444,6 +576,11 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
     }
     if cost.overhead_s is not None:
         meta_extra["round_overhead_temperature"] = 0.0
+    if speed is not None:
+        meta_extra["host_reference"] = speed.describe
+        meta_extra["host_reference_s"] = speed.reference
+        meta_extra["host_drift"] = [float(min(speed.probes) / speed.reference),
+                                    float(max(speed.probes) / speed.reference)]
     meta_extra.update(extra or {})
     meta = SPSMetadata(device_kind=device.device_kind, backend=device.platform, model=model,
                        dtype=str(jnp.dtype(weights.embed.dtype)), context_length=ref,
@@ -454,30 +591,39 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
 def profile_plain_rounds(weights: LlamaWeights, cfg: LlamaConfig, *, context_lengths: Sequence[int],
                          rows: Sequence[int], block: int = DEFAULT_BLOCK, window_rule: str = "pow2",
                          repeats: int = 5, warmup: int = 1, max_seconds: float | None = None,
+                         speed: HostSpeed | None = None,
                          progress: bool = False) -> tuple[list[list[float]], list[list[float]]]:
     """Seconds and spreads of a plain round (no drafts, :func:`time_verify` with ``plain=True``) at every
     context length and row count: ``[C][R]`` each, the cost model's ``plain_s`` and ``plain_spread_s``."""
     plain_s = [[0.0] * len(rows) for _ in context_lengths]
     plain_spread = [[0.0] * len(rows) for _ in context_lengths]
     jobs = [(c, r) for c in range(len(context_lengths)) for r in range(len(rows))]
-    for c, r in tqdm(jobs, disable=not progress, desc="plain rounds", unit="cell"):
-        tm = time_verify(weights, cfg, rows=rows[r], batch_tokens=bucket_for(rows[r]), context=context_lengths[c],
-                         block=block, window_rule=window_rule, plain=True, repeats=repeats, warmup=warmup,
-                         max_seconds=max_seconds)
+
+    def run(job):
+        c, r = job
+        return time_verify(weights, cfg, rows=rows[r], batch_tokens=bucket_for(rows[r]), context=context_lengths[c],
+                           block=block, window_rule=window_rule, plain=True, repeats=repeats, warmup=warmup,
+                           max_seconds=max_seconds)
+
+    for (c, r), tm in zip(jobs, timed_jobs(jobs, run, speed, progress=progress, desc="plain rounds")):
         plain_s[c][r], plain_spread[c][r] = tm.median, tm.spread
     return plain_s, plain_spread
 
 
 def add_plain_rounds(table: SPSTable, weights: LlamaWeights, cfg: LlamaConfig, *, repeats: int = 5,
-                     warmup: int = 1, max_seconds: float | None = None, progress: bool = False) -> SPSTable:
+                     warmup: int = 1, max_seconds: float | None = None, host_speed: bool = True,
+                     progress: bool = False) -> SPSTable:
     """``table`` with its cost model's plain rounds (re)measured at every context and row count, on the
-    device that holds ``weights`` (for tables profiled before plain rounds were part of the profile)."""
+    device that holds ``weights`` (for tables profiled before plain rounds were part of the profile);
+    ``host_speed``: at the table's reference host speed (:func:`table_host_speed`)."""
     cm = table.cost_model
     if cm is None:
         raise ValueError("add_plain_rounds: the table has no cost model to extend")
+    speed = table_host_speed(table, weights, cfg) if host_speed else None
     plain_s, plain_spread = profile_plain_rounds(weights, cfg, context_lengths=cm.context_lengths, rows=cm.rows,
                                                  block=cm.block, window_rule=cm.window_rule, repeats=repeats,
-                                                 warmup=warmup, max_seconds=max_seconds, progress=progress)
+                                                 warmup=warmup, max_seconds=max_seconds, speed=speed,
+                                                 progress=progress)
     cost = dataclasses.replace(cm, plain_s=plain_s, plain_spread_s=plain_spread)
     meta = dataclasses.replace(table.metadata, extra={**table.metadata.extra,
                                                       "plain_rounds_date": datetime.date.today().isoformat()})
@@ -514,7 +660,7 @@ def overhead_batches(cost: CostModel, rows: int) -> tuple[int, ...]:
 
 def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: Sequence[int] | None = None,
                            context: int | None = None, rounds: int = 12, warmup: int = 2, temperature: float = 0.0,
-                           progress: bool = False) -> dict[str, list]:
+                           speed: HostSpeed | None = None, progress: bool = False) -> dict[str, list]:
     """What a whole engine round costs beyond the profiled programs, at each row count of ``cost``.
 
     For every row count R (default: all of ``cost.rows``) an engine with the ``dspark`` policy serves R
@@ -532,6 +678,8 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
       cost: the measured cost model (any overhead it already has is ignored).
       rounds: timed rounds per (kind, R, batch) after ``warmup`` rounds.
       temperature: the engine's sampling temperature (0: greedy).
+      speed: put each round's time at this reference host speed (:class:`HostSpeed`, probed between cycles
+        of rounds) before the cost model's time is taken from it; None: as measured.
 
     Returns:
       The cost model's overhead fields: ``overhead_s`` and ``overhead_spread_s``, ``[2][R]`` over
@@ -562,6 +710,7 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
     vocab = target.cfg.vocab_size
     rng = np.random.default_rng(0)
     samples: dict[tuple[int, int], list[float]] = {}  # (R, padded batch; 0 = plain round) -> seconds
+    timed = []  # (key, index in samples[key], measured seconds, predicted, probe before it) of a row count
     for R in tqdm(measure, disable=not progress, desc="round overhead", unit="row count"):
         # One engine per kind of round, stepped in turn, so that a host that drifts while this runs (a shared
         # machine) moves every kind alike and the ratios between them hold.
@@ -577,6 +726,9 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
             for _ in range(R):
                 engines[batch].submit(rng.integers(0, vocab, context).tolist(), max_new)
         for i in range(attempts):
+            if all(len(samples.get((R, b), ())) >= rounds for b in engines):
+                break
+            probe = speed.probe() if speed is not None else None
             for batch, engine in engines.items():
                 if len(samples.get((R, batch), ())) >= rounds:
                     continue
@@ -589,7 +741,13 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
                 else:
                     padded, predicted = 0, base.plain_step_time(st.active, st.context)
                 samples.setdefault((R, padded), []).append(st.seconds - predicted)
+                timed.append(((R, padded), len(samples[(R, padded)]) - 1, st.seconds, predicted, probe))
         del engines
+        if speed is not None:  # each cycle of rounds between two probes, at the reference speed
+            speed.probe()
+            for key, j, seconds, predicted, probe in timed:
+                samples[key][j] = seconds * speed.factor((probe, probe + 1)) - predicted
+        timed.clear()
         for batch in kinds:
             if not samples.get((R, batch)):
                 raise RuntimeError(f"round overhead: no steady {'drafting' if batch else 'plain'} round at R={R}"
@@ -630,14 +788,17 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
                 draft_overhead_spread_s=by_batch_spread)
 
 
-def add_round_overhead(table: SPSTable, target, drafter: Drafter, *, progress: bool = False,
-                       **kw) -> SPSTable:
+def add_round_overhead(table: SPSTable, target, drafter: Drafter, *, host_speed: bool = True,
+                       progress: bool = False, **kw) -> SPSTable:
     """``table`` with its cost model's round overhead (re)measured (:func:`profile_round_overhead`, keyword
-    arguments passed on) and its simple curve recomputed to include it."""
+    arguments passed on) and its simple curve recomputed to include it; ``host_speed``: the rounds at the
+    table's reference host speed (:func:`table_host_speed`)."""
     cm = table.cost_model
     if cm is None:
         raise ValueError("add_round_overhead: the table has no cost model to extend")
-    cost = dataclasses.replace(cm, **profile_round_overhead(target, drafter, cm, progress=progress, **kw))
+    speed = table_host_speed(table, target.weights, target.cfg) if host_speed else None
+    cost = dataclasses.replace(cm, **profile_round_overhead(target, drafter, cm, speed=speed, progress=progress,
+                                                            **kw))
     extra = {**table.metadata.extra, "round_overhead_date": datetime.date.today().isoformat(),
              "round_overhead_temperature": float(kw.get("temperature", 0.0)),
              "points": POINTS_NOTE}

@@ -56,6 +56,10 @@ def parse_args(argv=None):
     p.add_argument("--add-overhead", action="store_true",
                    help="measure only the engine-round overhead of the table at --out, with the shipped drafter's "
                         "shape, and write it back (for tables profiled before it was part of the profile)")
+    p.add_argument("--no-host-speed", action="store_true",
+                   help="keep every time as measured (default: each is put at the host's median speed over the "
+                        "profile, from a small reference program timed between measurements, for hosts whose "
+                        "speed drifts)")
     p.add_argument("--add-plain", action="store_true",
                    help="measure only the plain rounds (no drafts) of the table at --out and write it back "
                         "(for tables profiled before plain rounds were part of the profile)")
@@ -117,13 +121,14 @@ def overhead_lines(cm) -> list[str]:
     return lines
 
 
-def with_overhead(table, weights, cfg, rows=None):
+def with_overhead(table, weights, cfg, rows=None, host_speed=True):
     """``table`` with the engine-round overhead measured (a random drafter of the shipped shape) at ``rows``
-    (default: every row count of its cost model)."""
+    (default: every row count of its cost model), at the table's host speed unless ``host_speed`` is False."""
     from dspark_jax.models.llama import LlamaModel
 
     drafter = profiling.random_drafter(cfg, block=table.cost_model.block)
-    return profiling.add_round_overhead(table, LlamaModel(cfg, weights), drafter, progress=True, rows=rows)
+    return profiling.add_round_overhead(table, LlamaModel(cfg, weights), drafter, progress=True, rows=rows,
+                                        host_speed=host_speed)
 
 
 def extend_table(args, device, out, extend, report):
@@ -164,12 +169,13 @@ def main(argv=None):
         raise ValueError(f"--reference-context {args.reference_context} must be one of --context-lengths {contexts}")
 
     if args.add_overhead:
-        return extend_table(args, device, out, with_overhead, overhead_lines)
+        return extend_table(args, device, out,
+                            lambda t, w, c: with_overhead(t, w, c, host_speed=not args.no_host_speed), overhead_lines)
 
     if args.add_plain:
         def plain(table, weights, cfg):
             return profiling.add_plain_rounds(table, weights, cfg, repeats=repeats, max_seconds=args.max_seconds,
-                                              progress=True)
+                                              host_speed=not args.no_host_speed, progress=True)
 
         return extend_table(args, device, out, plain, lambda cm: [
             f"L={L}: plain round ms " + " ".join(f"R={r}:{1e3 * cm.plain_s[c][i]:.1f}" for i, r in enumerate(cm.rows))
@@ -182,15 +188,22 @@ def main(argv=None):
         weights, cfg, model=name, context_lengths=contexts,
         reference_context=args.reference_context, rows=args.rows, diagonal=args.quick, block=args.block,
         window_rule=args.window_rule, with_drafter=not args.no_drafter, round_overhead=False,
+        host_speed=not args.no_host_speed,
         repeats=repeats, max_seconds=args.max_seconds, device=device,
         progress=True, extra={"quick": args.quick}, batch_tokens=buckets)
     table.save(out)  # the programs' costs are kept even if the overhead measurement below fails
+    drift = table.metadata.extra.get("host_drift")
+    if drift:
+        print(f"host speed while profiling: the reference program ({table.metadata.extra['host_reference']}) "
+              f"took {drift[0]:.2f}-{drift[1]:.2f} x its median "
+              f"{1e3 * table.metadata.extra['host_reference_s']:.1f} ms; every time is put at the median")
     if not args.no_overhead and not args.no_drafter:
         print(f"wrote {out} (programs only); measuring the engine-round overhead "
               f"(if this stops, `--add-overhead --out {out}` measures it alone)")
         rows = table.cost_model.rows[:1] if args.quick else None
         with jax.default_device(device):
-            table = with_overhead(table, jax.device_put(weights, device), cfg, rows=rows)
+            table = with_overhead(table, jax.device_put(weights, device), cfg, rows=rows,
+                                  host_speed=not args.no_host_speed)
         table.save(out)
     print(format_table(curve_rows(table),
                        ["L", "B", "R", "verify_ms", "draft_ms", "overhead_ms", "round_ms", "rounds_per_s",

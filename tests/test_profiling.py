@@ -384,6 +384,10 @@ def test_quick_tiny_profile_gives_a_valid_table(tiny_profile):
                                        sps, rtol=2e-6)
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # every time was put at the host's median speed over the profile, recorded with the probes' range
+    assert meta.extra["host_reference"] == profiling.reference_label(120, cm.window_rule)
+    lo, hi = meta.extra["host_drift"]
+    assert meta.extra["host_reference_s"] > 0 and 0 < lo <= 1 <= hi
 
 
 def test_metadata_mismatch_warns(tiny_profile, tmp_path):
@@ -656,6 +660,82 @@ def test_add_overhead_extends_a_table_in_place(tiny_profile, tmp_path):
         have = {b for t, b in enumerate(cm.batch_tokens) if cm.draft_overhead_s[r][t] is not None}
         assert have == set(profiling.overhead_batches(cm, R)) and have
     assert cm.without_overhead() == table.cost_model.without_overhead()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The host's speed: measurements put at one speed
+
+
+@pytest.mark.parametrize("span, window, want", [
+    ((0, 1), 5, 0.5),      # the first five probes: median 2
+    ((3, 4), 3, 1 / 3),    # probes 3..5 (3, 3, 4): median 3
+    ((8, 9), 5, 1 / 4),    # clipped at the end: probes 5..9 (3, 4, 4, 4, 4)
+    ((0, 9), 3, 1 / 3),    # a span wider than the window: all its probes
+    ((4, 4), 1, 1 / 3),
+])
+def test_host_factor_reads_the_probes_nearest_the_span(span, window, want):
+    probes = [2.0, 2.0, 2.0, 3.0, 3.0, 3.0, 4.0, 4.0, 4.0, 4.0]
+    assert profiling.host_factor(probes, span, 1.0, window) == pytest.approx(want)
+
+
+def test_host_factor_rejects_spans_outside_the_probes():
+    with pytest.raises(ValueError, match=r"probe span \(2, 3\) outside 0..2"):
+        profiling.host_factor([1.0, 1.0, 1.0], (2, 3), 1.0)
+
+
+class _ScriptedSpeed(profiling.HostSpeed):
+    """A HostSpeed whose probes read a scripted host slowdown instead of timing a program."""
+
+    def __init__(self, slowdown, reference=None, window=1):
+        self.slowdown, self.window, self.probes, self._reference = slowdown, window, [], reference
+
+    def probe(self):
+        self.probes.append(0.01 * self.slowdown(len(self.probes)))
+        return len(self.probes) - 1
+
+
+def test_timed_jobs_put_a_drifting_host_at_one_speed():
+    """A host that runs 2 x slower from the seventh of nine jobs on: rescaled, every job but the one between a
+    fast and a slow probe costs what its work costs at the reference speed (the probes' median, or a
+    recorded one); the job at the change is priced by both probes around it."""
+    speed_at = lambda k: 1.0 if k < 6 else 2.0  # noqa: E731  (probe k runs just before job k)
+    work = [0.1 * (j + 1) for j in range(9)]
+
+    def run(j):
+        t = work[j] * speed_at(j)
+        return profiling.Timing(t, 0.9 * t, 1.1 * t, 3)
+
+    jobs = list(range(9))
+    got = [tm.median for tm in profiling.timed_jobs(jobs, run, _ScriptedSpeed(speed_at, window=2))]
+    # probes 0..5 fast, 6..9 slow: median (reference) fast; job 5 ran fast between probes 5 (fast) and 6 (slow)
+    assert got[:5] + got[6:] == pytest.approx(work[:5] + work[6:])
+    assert got[5] == pytest.approx(work[5] / 1.5)
+    spreads = [tm.spread for tm in profiling.timed_jobs(jobs, run, _ScriptedSpeed(speed_at, window=2))]
+    assert spreads == pytest.approx([0.1 * g for g in got])
+    # a recorded reference at the slow speed (the table's): the rescaled times are at that speed
+    got = [tm.median for tm in profiling.timed_jobs(jobs, run, _ScriptedSpeed(speed_at, reference=0.02))]
+    assert got[:5] + got[6:] == pytest.approx([2 * w for w in work[:5] + work[6:]])
+    # without a speed, as measured
+    got = profiling.timed_jobs(jobs, run, None)
+    assert [tm.median for tm in got] == pytest.approx([run(j).median for j in jobs])
+
+
+def test_table_host_speed_takes_the_recorded_reference(tiny_profile):
+    """`--add-overhead` / `--add-plain` measure at the speed the table recorded, for the same reference program
+    only (another one's seconds mean nothing)."""
+    from dspark_jax.models.llama import init_random_weights
+
+    table, _ = tiny_profile
+    cfg = LlamaConfig.tiny()
+    w = init_random_weights(cfg, jax.random.key(0))
+    speed = profiling.table_host_speed(table, w, cfg)
+    assert speed.reference == table.metadata.extra["host_reference_s"] and speed.calls >= 3
+    other = dataclasses.replace(table.metadata, extra={**table.metadata.extra, "host_reference": "something else"})
+    speed = profiling.table_host_speed(SPSTable(table.points, other, table.cost_model), w, cfg)
+    with pytest.raises(ValueError, match="no probe yet"):
+        speed.reference
+    speed.probe()
+    assert speed.reference == speed.probes[0] > 0
 
 
 def test_bench_closed_gate_script(target, tmp_path, monkeypatch):
