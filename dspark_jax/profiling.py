@@ -19,7 +19,8 @@ measured last by running the engine itself at every row count, for drafting and 
 the padded batch they verify, ``draft_overhead_s``).
 
 Every measurement warms up (compilation excluded), blocks until ready, repeats and keeps the median and
-the spread (``timing.time_call``). Cache contents are zeros: no operation's cost depends on the values.
+the spread (``timing.time_call``), and is put at the host's median speed over the profile
+(:class:`HostSpeed`: a small reference program timed between measurements). Cache contents are zeros: no operation's cost depends on the values.
 
 Axis legend: R rows (active requests, padded to a row bucket), T verification tokens (padded to a
 bucket), B valid verification tokens (``B <= R * (G + 1)``), G block size, L context tokens held per
@@ -272,10 +273,11 @@ class HostSpeed:
     """How fast the host runs at each moment of a profile, from a small reference program timed between
     the measurements: a plain round (one row, no drafts) at ``context``.
 
-    A shared machine's speed drifts while a profile runs (other tenants, clocks: 30-40% within an hour on
-    the 2-core host this project is developed on), and a table measured cell after cell then prices the
-    cells measured in a slow stretch too high: the plain rounds, measured last, against the drafting
-    rounds, exactly the ratio the drafter gate reads. Each measurement is rescaled by ``reference /
+    A shared machine's speed drifts while a profile runs (other tenants, clocks: the reference program took
+    0.75 to 2.06 x its median during one 22-minute profile on the 2-core host this project is developed
+    on), and a table measured cell after cell then prices the cells measured in a slow stretch too high,
+    and with them the ratio the drafter gate reads, a drafting round against a plain one (the plain rounds
+    used to be measured last). Each measurement is rescaled by ``reference /
     local``: ``local`` the reference program's time around it (the median of the ``window`` probes nearest
     it), ``reference`` the median over the whole profile, or the value a table recorded (so that a part
     measured later, :func:`add_round_overhead`, lands at the table's speed).
