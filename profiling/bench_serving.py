@@ -16,6 +16,10 @@ Interleaved by default: at each (concurrency, temperature) every policy gets its
 time, in a rotated order each repeat. A host whose speed drifts then slows every policy alike within a
 repeat, and the per-window ratios (`ratio_vs_none_repeats`, `ratio_vs_best_fixed_repeats`) show the spread of
 the ratios themselves. `--sequential` measures each policy's windows back to back on one engine instead.
+
+`--json` is written after every point (`"complete": false` until the end), and `--resume` goes on from such
+a file with the same settings, measuring only the points it lacks (the scheduling quality then covers the
+new points' rounds only). Each point's compiled programs are dropped after it (`jax.clear_caches`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
+import jax
 import numpy as np
 
 from dspark_jax.drafters import prior_confidence, resolve_drafter
@@ -37,6 +43,36 @@ from dspark_jax.timing import device_info, format_table, write_json
 
 FIXED = ("fixed:1", "fixed:3", "fixed:7")
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# What a resumed run must share with the interrupted one for their rows to belong to one measurement.
+_SAME = ("concurrency", "temperatures", "policies", "thresholds", "threshold_sweep_at", "max_new_tokens",
+         "max_prompt_tokens", "warmup_rounds", "rounds", "repeats", "min_window_tokens", "draft", "sps", "prompts",
+         "seed", "sequential", "quick")
+
+
+def settings(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k != "resume"}
+
+
+def previous_rows(args) -> list[dict]:
+    """The rows of an interrupted run at ``args.json`` (none if the file does not exist), after checking that it
+    ran with the same settings."""
+    path = Path(args.json)
+    if not path.exists():
+        return []
+    try:
+        old = json.loads(path.read_text())
+        rows, before = old["rows"], old["args"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--resume: {path} is not a bench_serving report ({e})") from e
+    now = settings(args)
+    differ = [k for k in _SAME if before.get(k) != now.get(k)]
+    if differ:
+        raise ValueError(f"--resume: {path} was measured with other settings ("
+                         + ", ".join(f"{k}={before.get(k)!r}, now {now.get(k)!r}" for k in differ)
+                         + "); use another --json or the same settings")
+    return rows
 
 
 def main(argv=None):
@@ -67,12 +103,18 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sequential", action="store_true",
                    help="measure each policy's windows back to back (default: policies interleaved window by window)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the points (and threshold sweeps) already in --json from an interrupted run with the "
+                        "same settings, and measure only the rest")
     args = p.parse_args(argv)
     if args.quick:
         args.concurrency, args.temperatures = [1, 16], [0.0]
         args.policies = ["none", "fixed:3", "dspark"]
         args.max_new_tokens, args.warmup_rounds, args.rounds, args.repeats = 48, 3, 6, 2
         args.min_window_tokens = 12
+    if args.resume and not args.json:
+        raise ValueError("--resume needs --json: the file of the interrupted run")
+    done = previous_rows(args) if args.resume else []
 
     t_start = time.perf_counter()
     model = LlamaModel.from_gguf()
@@ -84,7 +126,14 @@ def main(argv=None):
     G = drafter.cfg.block
     capacity = -(-(args.max_prompt_tokens + args.max_new_tokens + G + 1) // 128) * 128
     info = device_info()
-    rows, recorded = [], {}
+    rows, recorded = list(done), {}
+
+    def save(complete):
+        """The rows so far, written atomically after every point: an interrupted run keeps what it measured
+        (``--resume`` goes on from there)."""
+        if args.json:
+            write_json(args.json, {"rows": rows, "complete": complete, "args": settings(args),
+                                   "wall_seconds": time.perf_counter() - t_start})
 
     def engine_for(policy_text, n, temp):
         policy = parse_policy(policy_text)
@@ -125,13 +174,21 @@ def main(argv=None):
         if "threshold" in args.policies:
             # A small sweep of C at one concurrency picks the threshold used at every concurrency.
             n0 = args.threshold_sweep_at or args.concurrency[len(args.concurrency) // 2]
-            sweep = [measure(f"threshold:{c:g}", n0, temp) for c in args.thresholds]
-            for r in sweep:
-                r["threshold_sweep"] = True
+            sweep = [r for r in done if r.get("threshold_sweep") and r["temperature"] == temp]
+            if not sweep:
+                sweep = [measure(f"threshold:{c:g}", n0, temp) for c in args.thresholds]
+                for r in sweep:
+                    r.update(info, threshold_sweep=True)
+                rows += sweep
+                save(False)
+                jax.clear_caches()
             best = max(sweep, key=lambda r: r["tokens_per_s"])
             best_c = best["policy"]
             print(f"  T={temp:g}: best threshold at N={n0}: {best_c}", flush=True)
         for n in args.concurrency:
+            if any(r["concurrency"] == n and r["temperature"] == temp and not r.get("threshold_sweep") for r in done):
+                print(f"  T={temp:g} N={n:3d}: kept from {args.json}", flush=True)
+                continue
             point = []
             if args.sequential:
                 for pol in args.policies:
@@ -157,9 +214,11 @@ def main(argv=None):
                         r[key] = [a / b for a, b in zip(r["repeats"], ref["repeats"])] if ref else None
                 r.update(info)
             rows += point
-        for r in sweep:
-            r.update(info)
-        rows += sweep
+            save(False)
+            # Every point compiles its own programs (its row count, buckets, windows); a run of every load and
+            # temperature in one process otherwise keeps them all and runs out of memory maps (an LLVM
+            # "Cannot allocate memory" at the 10th of 14 points, 2026-12-01).
+            jax.clear_caches()
     wall = time.perf_counter() - t_start
     shown = [r for r in rows if not r.get("threshold_sweep")]
     print()
@@ -175,7 +234,10 @@ def main(argv=None):
         for k, v in q.items():
             print(f"  {k}: {json.dumps(v)}")
     if args.json:
-        write_json(args.json, {"rows": rows, "scheduling_quality": q, "wall_seconds": wall, "args": vars(args)})
+        write_json(args.json, {"rows": rows, "complete": True, "scheduling_quality": q, "wall_seconds": wall,
+                               "args": settings(args),
+                               **({"resumed_points": len([r for r in done if not r.get("threshold_sweep")])}
+                                  if done else {})})
     if args.plots:
         plot_serving(shown, args.plots)
     return rows

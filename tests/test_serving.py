@@ -100,6 +100,30 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
     for q in report["scheduling_quality"].values():
         assert q["rounds"] >= 3 and 0.0 < q["min_ratio"] <= q["mean_ratio"] <= 1.0 + 1e-6
     assert sorted(p.name for p in (tmp_path / "fig").glob("*.png"))
+    assert report["complete"] is True
+
+    # Interrupted after the first load: --resume keeps its rows and the sweep, and measures only the rest.
+    argv = ["--draft", str(tmp_path / "drafter"), "--concurrency", "1", "2", "--temperatures", "0",
+            "--policies", "none", "fixed:1", "fixed:3", "threshold", "dspark", "--thresholds", "0.2", "0.9",
+            "--threshold-sweep-at", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "96",
+            "--warmup-rounds", "1", "--rounds", "3", "--min-window-tokens", "8", "--repeats", "2", "--json", str(out)]
+    kept = [r for r in report["rows"] if r.get("threshold_sweep") or r["concurrency"] == 1]
+    out.write_text(json.dumps({"rows": kept, "complete": False, "args": report["args"]}))
+    measured = []
+    monkeypatch.setattr(bench_serving, "closed_loop", lambda *a, **k: measured.append("sweep"))  # must not run
+    real = bench_serving.interleaved
+    monkeypatch.setattr(bench_serving, "interleaved",
+                        lambda engines, prompts, n, *a, **k: measured.append(n) or real(engines, prompts, n, *a, **k))
+    bench_serving.main(argv + ["--resume"])
+    resumed = json.loads(out.read_text())
+    assert measured == [2] and resumed["complete"] is True and resumed["resumed_points"] == len(kept) - 2
+    assert resumed["rows"][:len(kept)] == kept
+    assert {(r["policy"], r["concurrency"]) for r in resumed["rows"] if not r.get("threshold_sweep")} == {
+        (p, n) for p in ("none", "fixed:1", "fixed:3", "threshold:best", "dspark") for n in (1, 2)}
+    with pytest.raises(ValueError, match=r"other settings \(repeats=2, now 3\)"):
+        bench_serving.main([*argv[:-3], "3", "--json", str(out), "--resume"])
+    with pytest.raises(ValueError, match="--resume needs --json"):
+        bench_serving.main(["--resume"])
 
 
 def _timed_round(emitted, seconds, compiled=False, scheduled=(0,), accepted=(0,)):
