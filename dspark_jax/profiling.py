@@ -20,7 +20,8 @@ the padded batch they verify, ``draft_overhead_s``).
 
 Every measurement warms up (compilation excluded), blocks until ready, repeats and keeps the median and
 the spread (``timing.time_call``), and is put at the host's median speed over the profile
-(:class:`HostSpeed`: a small reference program timed between measurements). Cache contents are zeros: no operation's cost depends on the values.
+(:class:`HostSpeed`: a small reference program timed between measurements). Cache contents are zeros: no
+operation's cost depends on the values.
 
 Axis legend: R rows (active requests, padded to a row bucket), T verification tokens (padded to a
 bucket), B valid verification tokens (``B <= R * (G + 1)``), G block size, L context tokens held per
@@ -294,8 +295,7 @@ class HostSpeed:
         self.describe = reference_label(self.context, window_rule)
         self._step, _ = _verify_step(weights, cfg, rows=1, batch_tokens=1, context=self.context, block=block,
                                      window_rule=window_rule, plain=True)
-        jax.block_until_ready(self._step())  # compiles
-        once = time_call(self._step, repeats=3, warmup=1).median
+        once = time_call(self._step, repeats=3, warmup=1).median  # the warm-up call compiles
         # A probe is the median of ``calls`` calls lasting about ``probe_seconds`` together (3 to 100 calls):
         # a fast program's single calls are mostly dispatch jitter.
         self.calls = int(np.clip(np.ceil(probe_seconds / max(once, 1e-9)), 3, 100))
