@@ -15,8 +15,10 @@ Between the two the host reads one scalar, the batch size B, to pick the token b
 second program); everything else stays on the device. With the ``dspark`` policies the second program also
 decides whether drafting will pay in the next round for the same requests (the drafter gate); when it will
 not and nobody joined, the next round skips the first program and its host read: a plain round of a
-drafting engine costs a plain round plus the drafter's context update. The host only admits new requests and collects
-finished ones. Rows are the active slots moved to the front (a stable argsort of ``~active``) and padded to a
+drafting engine costs a plain round plus the drafter's context update. Where the gate's estimate stays below
+its bar long enough at a load, the drafter is switched off there (``EngineConfig.drafter_off_after``): the
+requests drop their context and the rounds are plain decoding's own programs, until a retry. The host only
+admits new requests and collects finished ones. Rows are the active slots moved to the front (a stable argsort of ``~active``) and padded to a
 power of two, so the drafter's cost follows the load, not the slot count.
 
 Policies (`parse_policy`): ``none`` (plain decoding, no drafter), ``fixed:K``, ``threshold:C`` (verify up to
@@ -163,6 +165,19 @@ class EngineConfig:
     # the drafter waits (gate closed, contexts still written) until those without one finish. None: every
     # request keeps its context and the gate decides every round (the default; README, Engine).
     drafter_off_above: int | None = None
+    # The dspark policies learn the same cut-off from the gate: once the gate's estimate has stayed below its
+    # bar (drafting not expected to pay by `1 + gate_margin`; probes aside) for this many consecutive
+    # request-rounds at one load (row bucket: 1, 2, 3-4, 5-8, ... active requests), the drafter is switched
+    # off at that load: the active requests drop their context (the rounds become plain decoding's own
+    # programs at once) and requests joining at that load are admitted without one. Evidence is counted in
+    # request-rounds, so a busy engine decides sooner (512: 512 rounds at one user, 16 at 32 users). After
+    # `drafter_off_retry` rounds with the drafter off at that load, joining requests get the context again
+    # and, once the requests without one have finished, the gate looks afresh (the traffic, and so the
+    # drafts' acceptance, may have changed; counted in rounds so that the wait for those requests to finish,
+    # a few hundred rounds, stays a small share). A gate that opens on its estimate at a load resets that
+    # load's count. None: never (the gate alone decides, every request keeps its context).
+    drafter_off_after: int | None = 512
+    drafter_off_retry: int = 2048
     # The dspark policies: extend each round's schedule with the next-ranked drafts up to the padded batch
     # the verification runs anyway (`scheduler.fill_to_bucket`, lossless), and let the drafter gate price a
     # round at the padded batch it pays for, with the filled schedule's expected tokens.
@@ -310,6 +325,12 @@ class Engine:
                                                           and config.drafter_off_above >= 1):
             raise ValueError(f"drafter_off_above: expected None or a number of requests >= 1, got "
                              f"{config.drafter_off_above!r}")
+        if config.drafter_off_after is not None and not (isinstance(config.drafter_off_after, (int, np.integer))
+                                                          and config.drafter_off_after >= 1):
+            raise ValueError(f"drafter_off_after: expected None or a number of request-rounds >= 1, got "
+                             f"{config.drafter_off_after!r}")
+        if not (isinstance(config.drafter_off_retry, (int, np.integer)) and config.drafter_off_retry >= 1):
+            raise ValueError(f"drafter_off_retry: expected an integer >= 1, got {config.drafter_off_retry!r}")
         if not config.gate_probe_budget > 0:
             raise ValueError(f"gate_probe_budget: expected a share > 0 (inf: probe every gate_probe_every "
                              f"rounds), got {config.gate_probe_budget}")
@@ -337,6 +358,7 @@ class Engine:
         self.slot_length = np.zeros(S, np.int64)
         self.slot_context = np.zeros(S, bool)  # the request in the slot has the drafter's context
         self.admissions = {"context": 0, "no_context": 0}  # requests admitted with and without it
+        self.drafter_offs: list[tuple[int, int]] = []  # (round index, row bucket) where the drafter was switched off
         self.requests: dict[int, Completion] = {}
         self.pending: deque[tuple[int, list[int], int]] = deque()
         self.next_id = 0
@@ -345,7 +367,13 @@ class Engine:
         self.record_confidences = False
         self._gate_probe = config.gate_probe_every if self.cost is not None else 0  # cost: dspark policies only
         self._gate_closed = False  # the last round found that the drafter would not pay next round
-        self._may_drop_context = self.policy.kind in ("dspark", "dspark-async") and config.drafter_off_above is not None
+        # Learned cut-off (drafter_off_after): per row bucket, request-rounds of consecutive gate estimates
+        # below the bar, and the buckets where the drafter is off (rounds run there since).
+        self._learns_off = self.cost is not None and config.drafter_off_after is not None
+        self._below_bar: dict[int, int] = {}
+        self._off_at: dict[int, int] = {}
+        self._may_drop_context = self.policy.kind in ("dspark", "dspark-async") and (
+            config.drafter_off_above is not None or self._learns_off)
         self._no_conf: dict[int, tuple[jax.Array, jax.Array]] = {}
         self.reset_time_scale()
         self.on_token: Callable[[int, int], None] | None = None
@@ -422,7 +450,32 @@ class Engine:
             return False
         if not self._may_drop_context:  # fixed and threshold policies always draft
             return True
-        return load <= self.cfg.drafter_off_above
+        if self.cfg.drafter_off_above is not None and load > self.cfg.drafter_off_above:
+            return False
+        return _pow2(load, self.cfg.num_slots) not in self._off_at
+
+    def _learn_off(self, R: int, n: int, gain: float, drafting: bool) -> None:
+        """After a round of ``n`` active requests (row bucket ``R``): count the gate's estimate ``gain`` (nan
+        when the gate did not look) towards switching the drafter off at this load, or count the rounds it has
+        been off there towards trying it again (``drafter_off_after``, ``drafter_off_retry``)."""
+        if R in self._off_at:
+            if not drafting:
+                self._off_at[R] += 1
+                if self._off_at[R] >= self.cfg.drafter_off_retry:
+                    del self._off_at[R]  # requests joining at this load get the context again
+                    self._below_bar.pop(R, None)
+            return
+        if not np.isfinite(gain):
+            return
+        if gain > 1.0 + self.cfg.gate_margin:
+            self._below_bar[R] = 0
+            return
+        self._below_bar[R] = self._below_bar.get(R, 0) + n
+        if self._below_bar[R] >= self.cfg.drafter_off_after:
+            self._off_at[R] = 0
+            self.slot_context[:] = False  # the active requests drop theirs: plain decoding's programs from now
+            self._gate_closed = True
+            self.drafter_offs.append((len(self.rounds), R))
 
     def _prefill(self, slot: int, rid: int, prompt: list[int], max_new: int, *, context: bool = True
                  ) -> tuple[int, bool]:
@@ -564,14 +617,16 @@ class Engine:
             self.draft_vocab if drafting else None, temp, jnp.asarray(self.stop_ids),
             seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G, window=window, greedy=self.greedy,
             drafting=drafting, per_slot=G + 1 if B > n else 1)
-        after = (jnp.float32(np.nan), jnp.bool_(True))
+        after = (jnp.float32(np.nan), jnp.bool_(True), jnp.float32(np.nan))
         if self.cost is not None and can_draft:
             after = _after_round(self.cost, scale, self.state, jnp.int32(n), jnp.int32(longest), jnp.int32(B),
                                  drafted_arr, R=R, probe_every=self._gate_probe,
                                  probe_budget=self.cfg.gate_probe_budget, fill=self.cfg.fill_buckets,
                                  margin=self.cfg.gate_margin)
-        (emitted, counts, finished, accepted, new_len), (predicted, next_gate) = jax.device_get((out, after))
+        (emitted, counts, finished, accepted, new_len), (predicted, next_gate, gain) = jax.device_get((out, after))
         self._gate_closed = not bool(next_gate)
+        if self._learns_off:
+            self._learn_off(R, n, float(gain), drafting)
         drafted = bool(d.drafted) if d is not None else False
         if compile_count() == compiles:
             self._observe_round(drafted, time.perf_counter() - t_round, float(predicted))
@@ -766,11 +821,11 @@ def _after_round(cost, time_scale, state: EngineState, n_active, longest, batch_
     predicted = jnp.where(drafted, 1.0 / sps[jnp.clip(scheduler.padded_batch(batch_tokens, BUCKETS), 0,
                                                       sps.shape[0] - 1)],
                           1.0 / plain_sps_from_cost(cost, n_active, longest)).astype(jnp.float32)
-    gate = jnp.bool_(True)
+    gate, gain = jnp.bool_(True), jnp.float32(jnp.nan)
     if probe_every > 0:
-        gate, _ = _drafting_pays(cost, state, *_device_rows(state.active, R), time_scale, probe_every, probe_budget,
-                                 fill, margin)
-    return predicted, gate
+        gate, _, gain = _drafting_pays(cost, state, *_device_rows(state.active, R), time_scale, probe_every,
+                                       probe_budget, fill, margin)
+    return predicted, gate, gain
 
 
 def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_every: int, probe_budget: float,
@@ -794,8 +849,9 @@ def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_
     near the bar (probe often, where the decision is uncertain), most of a costly round at high load (probe
     rarely).
     Round times are the cost model's, times the engine's measured corrections ``time_scale`` [2] (drafting
-    round, plain round). Returns the decision and the cost model's steps/s curve [N] for the rows' requests
-    and longest context (what the schedule reads)."""
+    round, plain round). Returns the decision, the cost model's steps/s curve [N] for the rows' requests
+    and longest context (what the schedule reads) and the estimate's gain over plain decoding (what the
+    learned cut-off, ``EngineConfig.drafter_off_after``, counts)."""
     n_active = jnp.sum(row_valid, dtype=jnp.int32)
     longest = jnp.max(jnp.where(row_valid, state.cache.lengths[rows], 0))
     sps = sps_from_cost(cost, jnp.maximum(n_active, 1), longest)
@@ -814,7 +870,7 @@ def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_
     # a probe's expected loss, in plain rounds, its gain discounted by the margin (the estimates' distrust)
     loss = draft_round / plain_round * jnp.maximum(1.0 + margin - gain, 0.0)
     wait = jnp.maximum(probe_every, jnp.ceil(loss / probe_budget))
-    return (gain > 1.0 + margin) | (state.skipped >= wait), sps
+    return (gain > 1.0 + margin) | (state.skipped >= wait), sps, gain.astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity", "probe_every",
@@ -840,7 +896,8 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     ctx_len = state.cache.lengths[rows]
     gate = jnp.bool_(True)
     if cost is not None:  # (dspark policies) this round's curve: draft(R, L) + verify(R, B, L), and the gate
-        gate, sps = _drafting_pays(cost, state, rows, row_valid, time_scale, probe_every, probe_budget, fill, margin)
+        gate, sps, _ = _drafting_pays(cost, state, rows, row_valid, time_scale, probe_every, probe_budget, fill,
+                                      margin)
 
     def run_drafter():
         keys = _key(seed, 1, state.request[rows], ctx_len)

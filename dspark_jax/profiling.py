@@ -722,7 +722,7 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
             engines[batch] = Engine(target, drafter, "dspark",
                                     EngineConfig(num_slots=R, capacity=capacity, temperature=temperature,
                                                  window_rule=cost.window_rule, gate_probe_every=10**9,
-                                                 calibrate_times=False),
+                                                 calibrate_times=False, drafter_off_after=None),
                                     sps=_forced_table(base, "drafting" if batch else "plain", batch or None),
                                     stop_ids=())
             for _ in range(R):

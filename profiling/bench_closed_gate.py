@@ -57,7 +57,7 @@ def closed_gate_costs(model: LlamaModel, drafter, temps, rows: int, pairs: int, 
                       capacity: int) -> list[dict]:
     """Rows of the report for one row count (see the module docstring)."""
     cfg = EngineConfig(num_slots=rows, capacity=capacity, temperature=0.0, gate_margin=1e9,
-                       gate_probe_every=10**9, calibrate_times=False)
+                       gate_probe_every=10**9, calibrate_times=False, drafter_off_after=None)  # the gate kept closed
     eng = Engine(model, drafter, "dspark", cfg, sts_temperatures=temps, sps=default_sps_table())
     text = "Explain, step by step, how a hash map handles collisions and what that costs. " * 40
     ids = model.tokenizer.encode(text)[:prompt_tokens]

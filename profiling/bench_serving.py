@@ -147,24 +147,30 @@ def main(argv=None):
                     window_tokens=window_tokens(n, args.rounds, args.min_window_tokens), repeats=args.repeats)
 
     def measure(policy_text, n, temp):
-        res = closed_loop(engine_for(policy_text, n, temp), prompts, n, args.max_new_tokens, **sizes(n))
-        return report(policy_text, n, temp, res)
+        engine = engine_for(policy_text, n, temp)
+        res = closed_loop(engine, prompts, n, args.max_new_tokens, **sizes(n))
+        return report(policy_text, n, temp, res, engine)
 
     def measure_interleaved(policies, n, temp):
         """Every policy's loop warmed up, then one window per policy per repeat, in a rotated order."""
-        res = interleaved({pol: engine_for(pol, n, temp) for pol in policies}, prompts, n, args.max_new_tokens,
-                          **sizes(n))
-        return [report(pol, n, temp, res[pol]) for pol in policies]
+        engines = {pol: engine_for(pol, n, temp) for pol in policies}
+        res = interleaved(engines, prompts, n, args.max_new_tokens, **sizes(n))
+        return [report(pol, n, temp, res[pol], engines[pol]) for pol in policies]
 
-    def report(policy_text, n, temp, res):
+    def report(policy_text, n, temp, res, engine):
         policy = parse_policy(policy_text)
         row = {"policy": policy_text, "concurrency": n, "temperature": temp, "tokens_per_s": res.tokens_per_s,
                "tokens_per_s_spread": res.tokens_per_s_spread, "tokens_per_s_per_user": res.tokens_per_s / n,
                "accept_len": res.accept_len, "drafts_per_request": res.drafts_per_request,
                "rejected_share": res.rejected_share, "mean_batch_tokens": res.mean_batch_tokens,
-               "repeats": res.repeats, "steady_rounds": res.steady_rounds, "compiled_rounds": res.compiled_rounds}
+               "repeats": res.repeats, "steady_rounds": res.steady_rounds, "compiled_rounds": res.compiled_rounds,
+               # the learned cut-off (EngineConfig.drafter_off_after): [round, row bucket] where the drafter was
+               # switched off, and the requests admitted with and without the drafter's context
+               "drafter_offs": [list(x) for x in engine.drafter_offs], "admissions": dict(engine.admissions)}
         print(f"  T={temp:g} N={n:3d} {policy_text:14s} {res.tokens_per_s:8.1f} tok/s (+-{res.tokens_per_s_spread:.1f})"
-              f"  accept {res.accept_len:.2f}  drafts/req {res.drafts_per_request:.2f}", flush=True)
+              f"  accept {res.accept_len:.2f}  drafts/req {res.drafts_per_request:.2f}"
+              + (f"  drafter off at rounds {[r for r, _ in engine.drafter_offs]}" if engine.drafter_offs else ""),
+              flush=True)
         if policy.drafts:  # every drafted round of every drafting policy at this load is a test case
             recorded.setdefault((n, temp), []).extend(r for r in res.rounds if r.drafted)
         return row

@@ -382,6 +382,55 @@ def test_the_drafter_waits_for_requests_without_its_context(model, drafter):
     assert [e.requests[i].output_ids for i in ids] == [ref[0].output_ids[:6]] + [r.output_ids for r in ref[1:]]
 
 
+def test_the_drafter_is_switched_off_where_the_gate_stays_shut(model, drafter, monkeypatch):
+    """drafter_off_after: a drafter that never pays (it costs ten verifications) keeps the gate's estimate
+    below the bar; after that many request-rounds at a load the active requests drop their context and the
+    rounds are plain decoding's own programs (no context write, no gate), requests joining at that load come
+    without one. A free drafter opens the gate and is never switched off. Output lossless throughout."""
+    ps = prompts(6, seed=6)
+    ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
+    for draft_cost in (1.0, 0.0):
+        cfg = eng.EngineConfig(num_slots=3, capacity=64, gate_probe_every=1000, calibrate_times=False,
+                               drafter_off_after=6)
+        e = eng.Engine(model, drafter, "dspark", cfg, sps=synthetic_cost_table(draft_cost=draft_cost), stop_ids=[])
+        e.warm_up(max_prompt_tokens=20)
+        verifies, prefill_ctx, gates = [], [], []
+        _spy(monkeypatch, "_verify_and_commit", verifies)
+        _spy(monkeypatch, "_write_chunk_context", prefill_ctx)
+        _spy(monkeypatch, "_after_round", gates)
+        with count_compilations() as n:
+            assert [c.output_ids for c in e.run(ps, 10)] == [r.output_ids for r in ref]
+        assert n() == 0
+        monkeypatch.undo()
+        if draft_cost:
+            # 3 requests, 2 rounds below the bar (6 request-rounds): off from the third round (row bucket 3:
+            # powers of two capped at the slot count)
+            assert e.drafter_offs == [(1, 3)], e.drafter_offs
+            assert all(k["drafting"] for k in verifies[:2]) and not any(k["drafting"] for k in verifies[2:])
+            assert len(gates) == 2 and not any(r.drafted for r in e.rounds)
+            assert e.admissions["no_context"] >= 1 and len(prefill_ctx) == e.admissions["context"] == 3
+        else:
+            assert e.drafter_offs == [] and e.admissions == {"context": 6, "no_context": 0}
+            assert any(r.drafted for r in e.rounds)
+
+
+def test_a_switched_off_drafter_is_tried_again(model, drafter):
+    """After drafter_off_retry rounds with the drafter off at a load, requests joining there get the context
+    again and the gate looks afresh (and, the drafter never paying, switches it off again)."""
+    ps = prompts(6, seed=8)
+    ref, _ = plain_generate(model, ps, 6, 0.0, num_slots=1, stop_ids=[], capacity=64)
+    cfg = eng.EngineConfig(num_slots=1, capacity=64, gate_probe_every=1000, calibrate_times=False,
+                           drafter_off_after=3, drafter_off_retry=6)
+    e = eng.Engine(model, drafter, "dspark", cfg, sps=synthetic_cost_table(draft_cost=1.0), stop_ids=[])
+    assert [c.output_ids for c in e.run(ps, 6)] == [r.output_ids for r in ref]
+    # one request at a time, 5 rounds each: off after 3 rounds, on again for a request joining 6 rounds later
+    assert len(e.drafter_offs) >= 2 and all(R == 1 for _, R in e.drafter_offs), e.drafter_offs
+    assert e.admissions["context"] >= 2 and e.admissions["no_context"] >= 1, e.admissions
+    for key, bad in (("drafter_off_after", 0), ("drafter_off_after", 2.5), ("drafter_off_retry", 0)):
+        with pytest.raises(ValueError, match=f"{key}: expected"):
+            eng.Engine(model, drafter, "dspark", eng.EngineConfig(**{key: bad}), sps=synthetic_cost_table())
+
+
 def test_measured_round_times_correct_the_cost_model(model, drafter):
     """The gate reads the cost model's round times times what the engine measured: a drafter the table
     charges too much for is used once the engine has seen that drafting rounds are cheaper than predicted."""
