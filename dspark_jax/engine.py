@@ -18,8 +18,9 @@ not and nobody joined, the next round skips the first program and its host read:
 drafting engine costs a plain round plus the drafter's context update. Where the gate's estimate stays below
 its bar long enough at a load, the drafter is switched off there (``EngineConfig.drafter_off_after``): the
 requests drop their context and the rounds are plain decoding's own programs, until a retry. The host only
-admits new requests and collects finished ones. Rows are the active slots moved to the front (a stable argsort of ``~active``) and padded to a
-power of two, so the drafter's cost follows the load, not the slot count.
+admits new requests and collects finished ones. Rows are the active slots moved to the front (a stable
+argsort of ``~active``) and padded to a power of two, so the drafter's cost follows the load, not the slot
+count.
 
 Policies (`parse_policy`): ``none`` (plain decoding, no drafter), ``fixed:K``, ``threshold:C`` (verify up to
 the first calibrated per-token confidence below C), ``dspark`` (Algorithm 1, first drop, on the SPS table)
@@ -454,10 +455,11 @@ class Engine:
             return False
         return _pow2(load, self.cfg.num_slots) not in self._off_at
 
-    def _learn_off(self, R: int, n: int, gain: float, drafting: bool) -> None:
-        """After a round of ``n`` active requests (row bucket ``R``): count the gate's estimate ``gain`` (nan
-        when the gate did not look) towards switching the drafter off at this load, or count the rounds it has
-        been off there towards trying it again (``drafter_off_after``, ``drafter_off_retry``)."""
+    def _learn_off(self, R: int, n: int, left: int, gain: float, drafting: bool) -> None:
+        """After a round of ``n`` active requests (row bucket ``R``), ``left`` of them still active: count the
+        gate's estimate ``gain`` for them (nan when the gate did not look) towards switching the drafter off
+        at this load, or count the rounds it has been off there towards trying it again
+        (``drafter_off_after``, ``drafter_off_retry``)."""
         if R in self._off_at:
             if not drafting:
                 self._off_at[R] += 1
@@ -465,7 +467,7 @@ class Engine:
                     del self._off_at[R]  # requests joining at this load get the context again
                     self._below_bar.pop(R, None)
             return
-        if not np.isfinite(gain):
+        if not np.isfinite(gain) or left == 0:  # the gate did not look, or looked at nobody
             return
         if gain > 1.0 + self.cfg.gate_margin:
             self._below_bar[R] = 0
@@ -626,7 +628,7 @@ class Engine:
         (emitted, counts, finished, accepted, new_len), (predicted, next_gate, gain) = jax.device_get((out, after))
         self._gate_closed = not bool(next_gate)
         if self._learns_off:
-            self._learn_off(R, n, float(gain), drafting)
+            self._learn_off(R, n, n - int(np.sum(finished[:n])), float(gain), drafting)
         drafted = bool(d.drafted) if d is not None else False
         if compile_count() == compiles:
             self._observe_round(drafted, time.perf_counter() - t_round, float(predicted))

@@ -42,6 +42,14 @@ from dspark_jax.sps import default_sps_table, load_sps_table
 from dspark_jax.timing import device_info, format_table, write_json
 
 FIXED = ("fixed:1", "fixed:3", "fixed:7")
+# A second `none` engine (--control): its ratio to `none` is what the benchmark measures for two identical
+# engines, the noise floor of every ratio at that point.
+CONTROL = "none-control"
+
+
+def engine_policy(text: str):
+    """The engine policy a benchmark policy name stands for (the control runs plain decoding)."""
+    return parse_policy("none" if text == CONTROL else text)
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -103,6 +111,9 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sequential", action="store_true",
                    help="measure each policy's windows back to back (default: policies interleaved window by window)")
+    p.add_argument("--control", action="store_true",
+                   help=f"add a second `none` engine ({CONTROL!r}) to every point: its ratio to `none` is the "
+                        "noise floor of the ratios (two identical engines)")
     p.add_argument("--resume", action="store_true",
                    help="keep the points (and threshold sweeps) already in --json from an interrupted run with the "
                         "same settings, and measure only the rest")
@@ -112,6 +123,8 @@ def main(argv=None):
         args.policies = ["none", "fixed:3", "dspark"]
         args.max_new_tokens, args.warmup_rounds, args.rounds, args.repeats = 48, 3, 6, 2
         args.min_window_tokens = 12
+    if args.control and CONTROL not in args.policies:
+        args.policies = [*args.policies, CONTROL]
     if args.resume and not args.json:
         raise ValueError("--resume needs --json: the file of the interrupted run")
     done = previous_rows(args) if args.resume else []
@@ -136,7 +149,7 @@ def main(argv=None):
                                    "wall_seconds": time.perf_counter() - t_start})
 
     def engine_for(policy_text, n, temp):
-        policy = parse_policy(policy_text)
+        policy = engine_policy(policy_text)
         cfg = EngineConfig(num_slots=n, capacity=capacity, temperature=temp, seed=args.seed, prior_confidence=prior)
         engine = Engine(model, drafter if policy.drafts else None, policy, cfg, sts_temperatures=temps, sps=table)
         engine.record_confidences = policy.drafts
@@ -158,7 +171,7 @@ def main(argv=None):
         return [report(pol, n, temp, res[pol], engines[pol]) for pol in policies]
 
     def report(policy_text, n, temp, res, engine):
-        policy = parse_policy(policy_text)
+        policy = engine_policy(policy_text)
         row = {"policy": policy_text, "concurrency": n, "temperature": temp, "tokens_per_s": res.tokens_per_s,
                "tokens_per_s_spread": res.tokens_per_s_spread, "tokens_per_s_per_user": res.tokens_per_s / n,
                "accept_len": res.accept_len, "drafts_per_request": res.drafts_per_request,

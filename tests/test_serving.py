@@ -65,12 +65,13 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
         "--policies", "none", "fixed:1", "fixed:3", "threshold", "dspark", "--thresholds", "0.2", "0.9",
         "--threshold-sweep-at", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "96",
         "--warmup-rounds", "1", "--rounds", "3", "--min-window-tokens", "8", "--repeats", "2", "--json", str(out), "--plots", str(tmp_path / "fig"),
+        "--control",
     ])
     report = json.loads(out.read_text())
     rows = [r for r in report["rows"] if not r.get("threshold_sweep")]
     sweep = [r for r in report["rows"] if r.get("threshold_sweep")]
-    assert {(r["policy"], r["concurrency"]) for r in rows} == {
-        (p, n) for p in ("none", "fixed:1", "fixed:3", "threshold:best", "dspark") for n in (1, 2)}
+    policies = ("none", "fixed:1", "fixed:3", "threshold:best", "dspark", "none-control")
+    assert {(r["policy"], r["concurrency"]) for r in rows} == {(p, n) for p in policies for n in (1, 2)}
     assert {r["policy"] for r in sweep} == {"threshold:0.2", "threshold:0.9"}
     best_c = max(sweep, key=lambda r: r["tokens_per_s"])["policy"]
     for n in (1, 2):
@@ -90,6 +91,11 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
         assert point["dspark"]["ratio_vs_best_fixed"] == pytest.approx(point["dspark"]["tokens_per_s"] / best_fixed)
         assert point["threshold:best"]["threshold"] == best_c
         assert point["none"]["drafts_per_request"] == 0 and point["none"]["accept_len"] == pytest.approx(1.0)
+        # the control is a second plain-decoding engine: its ratio to `none` is the noise floor
+        control = point["none-control"]
+        assert control["drafts_per_request"] == 0 and control["admissions"] == {"context": 0, "no_context": 0}
+        assert control["ratio_vs_none"] == pytest.approx(control["tokens_per_s"] / point["none"]["tokens_per_s"])
+        assert isinstance(point["dspark"]["drafter_offs"], list) and sum(point["dspark"]["admissions"].values()) >= n
         if n == 1:  # a window runs until 8 tokens came out (the floor over 3 x N), at most 2 per round here
             assert point["none"]["steady_rounds"] + point["none"]["compiled_rounds"] >= 4
         # Drafts are capped by each request's remaining token budget, never raised.
@@ -106,7 +112,8 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
     argv = ["--draft", str(tmp_path / "drafter"), "--concurrency", "1", "2", "--temperatures", "0",
             "--policies", "none", "fixed:1", "fixed:3", "threshold", "dspark", "--thresholds", "0.2", "0.9",
             "--threshold-sweep-at", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "96",
-            "--warmup-rounds", "1", "--rounds", "3", "--min-window-tokens", "8", "--repeats", "2", "--json", str(out)]
+            "--warmup-rounds", "1", "--rounds", "3", "--min-window-tokens", "8", "--control", "--repeats", "2",
+            "--json", str(out)]
     kept = [r for r in report["rows"] if r.get("threshold_sweep") or r["concurrency"] == 1]
     out.write_text(json.dumps({"rows": kept, "complete": False, "args": report["args"]}))
     measured = []
@@ -119,7 +126,7 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
     assert measured == [2] and resumed["complete"] is True and resumed["resumed_points"] == len(kept) - 2
     assert resumed["rows"][:len(kept)] == kept
     assert {(r["policy"], r["concurrency"]) for r in resumed["rows"] if not r.get("threshold_sweep")} == {
-        (p, n) for p in ("none", "fixed:1", "fixed:3", "threshold:best", "dspark") for n in (1, 2)}
+        (p, n) for p in policies for n in (1, 2)}
     with pytest.raises(ValueError, match=r"other settings \(repeats=2, now 3\)"):
         bench_serving.main([*argv[:-3], "3", "--json", str(out), "--resume"])
     with pytest.raises(ValueError, match="--resume needs --json"):
