@@ -42,6 +42,7 @@ from dspark_jax.sps import default_sps_table, load_sps_table
 from dspark_jax.timing import device_info, format_table, write_json
 
 FIXED = ("fixed:1", "fixed:3", "fixed:7")
+MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # A second `none` engine (--control): its ratio to `none` is what the benchmark measures for two identical
 # engines, the noise floor of every ratio at that point.
 CONTROL = "none-control"
@@ -50,7 +51,6 @@ CONTROL = "none-control"
 def engine_policy(text: str):
     """The engine policy a benchmark policy name stands for (the control runs plain decoding)."""
     return parse_policy("none" if text == CONTROL else text)
-MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 # What a resumed run must share with the interrupted one for their rows to belong to one measurement.

@@ -386,21 +386,19 @@ def test_the_drafter_is_switched_off_where_the_gate_stays_shut(model, drafter, m
     """drafter_off_after: a drafter that never pays (it costs ten verifications) keeps the gate's estimate
     below the bar; after that many request-rounds at a load the active requests drop their context and the
     rounds are plain decoding's own programs (no context write, no gate), requests joining at that load come
-    without one. A free drafter opens the gate and is never switched off. Output lossless throughout."""
+    without one. A free drafter opens the gate and is never switched off. Output lossless throughout. (That
+    `warm_up` compiles plain decoding's programs for a dspark engine is tested with `drafter_off_above`.)"""
     ps = prompts(6, seed=6)
     ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
     for draft_cost in (1.0, 0.0):
         cfg = eng.EngineConfig(num_slots=3, capacity=64, gate_probe_every=1000, calibrate_times=False,
                                drafter_off_after=6)
         e = eng.Engine(model, drafter, "dspark", cfg, sps=synthetic_cost_table(draft_cost=draft_cost), stop_ids=[])
-        e.warm_up(max_prompt_tokens=20)
         verifies, prefill_ctx, gates = [], [], []
         _spy(monkeypatch, "_verify_and_commit", verifies)
         _spy(monkeypatch, "_write_chunk_context", prefill_ctx)
         _spy(monkeypatch, "_after_round", gates)
-        with count_compilations() as n:
-            assert [c.output_ids for c in e.run(ps, 10)] == [r.output_ids for r in ref]
-        assert n() == 0
+        assert [c.output_ids for c in e.run(ps, 10)] == [r.output_ids for r in ref]
         monkeypatch.undo()
         if draft_cost:
             # 3 requests, 2 rounds below the bar (6 request-rounds): off from the third round (row bucket 3:
