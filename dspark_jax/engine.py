@@ -476,7 +476,6 @@ class Engine:
         if self._below_bar[R] >= self.cfg.drafter_off_after:
             self._off_at[R] = 0
             self.slot_context[:] = False  # the active requests drop theirs: plain decoding's programs from now
-            self._gate_closed = True
             self.drafter_offs.append((len(self.rounds), R))
 
     def _prefill(self, slot: int, rid: int, prompt: list[int], max_new: int, *, context: bool = True
