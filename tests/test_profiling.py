@@ -339,6 +339,32 @@ def test_timed_calls_do_not_compile(monkeypatch):
     assert counts == [0, 0]
 
 
+def test_programs_read_from_the_persistent_cache_count():
+    """The suite runs with a persistent compilation cache (conftest). A program read back from it after the
+    in-memory caches were dropped was not compiled, but the block needed it: `compile_count` (JAX's backend
+    compilation event, which JAX also reports for a cache read) counts it, so the "nothing new after warm-up"
+    tests cannot miss a program that an earlier test left on disk."""
+    assert jax.config.jax_compilation_cache_dir
+    hits = []
+    listener = lambda event, **kw: hits.append(1) if event == "/jax/compilation_cache/cache_hits" else None
+    jax.monitoring.register_event_listener(listener)
+    try:
+        f = jax.jit(lambda x: jnp.cumsum(x * 3.25 + 0.5)[::-2])
+        x = jnp.arange(13.0)
+        with count_compilations() as n:
+            first = f(x).block_until_ready()
+        assert n() == 1
+        jax.clear_caches()
+        hits.clear()
+        with count_compilations() as n:
+            np.testing.assert_array_equal(f(x), first)
+        assert hits == [1] and n() == 1  # read from disk, counted once
+        with count_compilations() as n:
+            f(x).block_until_ready()
+        assert n() == 0
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+
 # ----------------------------------------------------------------------------------------------------
 # A real quick profile of the tiny model, through the script
 
