@@ -15,7 +15,8 @@ Interleaved by default: at each (concurrency, temperature) every policy gets its
 (warmed up first, the same prompt stream for each), and the policies take turns, one measurement window at a
 time, in a rotated order each repeat. A host whose speed drifts then slows every policy alike within a
 repeat, and the per-window ratios (`ratio_vs_none_repeats`, `ratio_vs_best_fixed_repeats`) show the spread of
-the ratios themselves. `--sequential` measures each policy's windows back to back on one engine instead.
+the ratios themselves; their medians (`ratio_vs_none_paired`, `ratio_vs_best_fixed_paired`) are the paired
+estimates, which a drift between windows does not move. `--sequential` measures each policy's windows back to back on one engine instead.
 
 `--json` is written after every point (`"complete": false` until the end), and `--resume` goes on from such
 a file with the same settings, measuring only the points it lacks (the scheduling quality then covers the
@@ -231,6 +232,9 @@ def main(argv=None):
                 if not args.sequential:  # window k of every policy ran side by side: ratios per window
                     for key, ref in (("ratio_vs_none_repeats", none), ("ratio_vs_best_fixed_repeats", best_fixed)):
                         r[key] = [a / b for a, b in zip(r["repeats"], ref["repeats"])] if ref else None
+                        # the paired estimate: the median of the per-window ratios (a host-speed drift between
+                        # windows cancels inside each window; the ratio of the medians does not pair them)
+                        r[key.replace("_repeats", "_paired")] = float(np.median(r[key])) if ref else None
                 r.update(info)
             rows += point
             save(False)
@@ -245,7 +249,8 @@ def main(argv=None):
           f"max_new_tokens {args.max_new_tokens}, {len(prompts)} prompts, wall {wall:.0f} s")
     print(format_table(shown, ["temperature", "concurrency", "policy", "tokens_per_s", "tokens_per_s_spread",
                                "tokens_per_s_per_user", "accept_len", "drafts_per_request", "rejected_share",
-                               "ratio_vs_none", "ratio_vs_best_fixed"]))
+                               "ratio_vs_none", "ratio_vs_best_fixed"]
+                             + ([] if args.sequential else ["ratio_vs_none_paired", "ratio_vs_best_fixed_paired"])))
     q = {f"N={n} T={t:g}": scheduling_quality(v, table) for (n, t), v in recorded.items()}
     if q:
         print("\nscheduling quality (expected throughput of first drop / best point of the greedy path, on the "

@@ -87,6 +87,7 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
             assert len(r["repeats"]) == 2
             assert r["ratio_vs_none_repeats"] == pytest.approx(
                 [a / b for a, b in zip(r["repeats"], point["none"]["repeats"])])
+            assert r["ratio_vs_none_paired"] == pytest.approx(float(np.median(r["ratio_vs_none_repeats"])))
         best_fixed = max(point["fixed:1"]["tokens_per_s"], point["fixed:3"]["tokens_per_s"])
         assert point["dspark"]["ratio_vs_best_fixed"] == pytest.approx(point["dspark"]["tokens_per_s"] / best_fixed)
         assert point["threshold:best"]["threshold"] == best_c
