@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import itertools
+import math
 from pathlib import Path
 from typing import Sequence
 
@@ -178,6 +179,27 @@ def summarize_windows(windows: Sequence[Sequence[RoundStats]], *, completed_requ
         completed_requests=completed_requests,
         rounds=rounds,
     )
+
+
+def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free confidence interval for the median of ``values`` (the sign test's order
+    statistics): ``(x_(k), x_(n+1-k), coverage)`` for the largest k whose coverage, 1 - 2 P(Bin(n, 1/2) < k),
+    is at least ``level``. It assumes only that the values are independent draws of one distribution (the
+    per-window ratios of a paired benchmark, say). With too few values for ``level`` (n < 6 at 0.95) it
+    returns the range and the range's own coverage, 1 - 2 / 2^n, which the caller must report with it.
+    NaNs are dropped."""
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"median_interval: level must lie in (0, 1), got {level}")
+    x = np.sort(np.asarray(values, np.float64))
+    x = x[~np.isnan(x)]
+    n = len(x)
+    if n == 0:
+        raise ValueError("median_interval: expected at least one value that is not NaN")
+    below = np.cumsum([math.comb(n, j) for j in range(n + 1)]) / 2.0**n  # below[j] = P(Bin(n, 1/2) <= j)
+    k = 1
+    while k + 1 <= (n + 1) // 2 and 1 - 2 * below[k] >= level:  # (x_(k+1), x_(n-k)) still covers enough
+        k += 1
+    return float(x[k - 1]), float(x[n - k]), float(1 - 2 * below[k - 1])
 
 
 def scheduling_quality(rounds: Sequence[RoundStats], table) -> dict[str, float]:

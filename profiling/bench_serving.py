@@ -16,7 +16,10 @@ Interleaved by default: at each (concurrency, temperature) every policy gets its
 time, in a rotated order each repeat. A host whose speed drifts then slows every policy alike within a
 repeat, and the per-window ratios (`ratio_vs_none_repeats`, `ratio_vs_best_fixed_repeats`) show the spread of
 the ratios themselves; their medians (`ratio_vs_none_paired`, `ratio_vs_best_fixed_paired`) are the paired
-estimates, which a drift between windows does not move. `--sequential` measures each policy's windows back to back on one engine instead.
+estimates, which a drift between windows does not move; `ratio_vs_none_ci` and `ratio_vs_best_fixed_ci`
+are distribution-free intervals for those medians ([low, high, coverage]: 95% from 6 windows up, below that
+the range and its own coverage). `--sequential` measures each policy's windows back to back on one engine
+instead.
 
 `--json` is written after every point (`"complete": false` until the end), and `--resume` goes on from such
 a file with the same settings, measuring only the points it lacks (the scheduling quality then covers the
@@ -38,7 +41,8 @@ from dspark_jax.drafters import prior_confidence, resolve_drafter
 from dspark_jax.engine import Engine, EngineConfig, parse_policy
 from dspark_jax.models.llama import LlamaModel
 from dspark_jax.plots import plot_serving
-from dspark_jax.serving import closed_loop, interleaved, mixed_prompts, scheduling_quality, window_tokens
+from dspark_jax.serving import (closed_loop, interleaved, median_interval, mixed_prompts, scheduling_quality,
+                                window_tokens)
 from dspark_jax.sps import default_sps_table, load_sps_table
 from dspark_jax.timing import device_info, format_table, write_json
 
@@ -82,6 +86,16 @@ def previous_rows(args) -> list[dict]:
                          + ", ".join(f"{k}={before.get(k)!r}, now {now.get(k)!r}" for k in differ)
                          + "); use another --json or the same settings")
     return rows
+
+
+def paired_ratios(row: dict) -> str:
+    """A row's paired ratios against `none` and the best fixed K with their intervals, for the printout."""
+    out = ""
+    for key, ref in (("none", "none"), ("best_fixed", row.get("best_fixed"))):
+        ci = row.get(f"ratio_vs_{key}_ci")
+        if ci:
+            out += f"  / {ref} {row[f'ratio_vs_{key}_paired']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}] ({ci[2]:.0%})"
+    return out
 
 
 def main(argv=None):
@@ -235,6 +249,9 @@ def main(argv=None):
                         # the paired estimate: the median of the per-window ratios (a host-speed drift between
                         # windows cancels inside each window; the ratio of the medians does not pair them)
                         r[key.replace("_repeats", "_paired")] = float(np.median(r[key])) if ref else None
+                        # and a distribution-free 95% interval for that median ([low, high, coverage]; the range
+                        # and its own coverage when there are too few windows for 95%)
+                        r[key.replace("_repeats", "_ci")] = list(median_interval(r[key])) if ref else None
                 r.update(info)
             rows += point
             save(False)
@@ -251,6 +268,10 @@ def main(argv=None):
                                "tokens_per_s_per_user", "accept_len", "drafts_per_request", "rejected_share",
                                "ratio_vs_none", "ratio_vs_best_fixed"]
                              + ([] if args.sequential else ["ratio_vs_none_paired", "ratio_vs_best_fixed_paired"])))
+    if not args.sequential:
+        print("\nper-window ratios: median [interval] (its coverage)")
+        for r in shown:
+            print(f"  T={r['temperature']:g} N={r['concurrency']:3d} {r['policy']:14s}{paired_ratios(r)}")
     q = {f"N={n} T={t:g}": scheduling_quality(v, table) for (n, t), v in recorded.items()}
     if q:
         print("\nscheduling quality (expected throughput of first drop / best point of the greedy path, on the "
