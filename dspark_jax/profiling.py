@@ -49,7 +49,8 @@ from dspark_jax.models.drafter import (Drafter, DrafterConfig, draft, draft_head
                                        init_drafter_cache)
 from dspark_jax.models.llama import (BUCKETS, CONTEXT_STEP, LlamaConfig, LlamaWeights, bucket_for, forward_packed,
                                      init_cache)
-from dspark_jax.sps import OVERHEAD_KINDS, CostModel, SPSMetadata, SPSPoint, SPSTable, realistic_rows, round_windows
+from dspark_jax.sps import (OVERHEAD_KINDS, CostModel, SPSMetadata, SPSPoint, SPSTable, host_cpu, realistic_rows,
+                           round_windows)
 from dspark_jax.timing import Timing, time_call
 
 __all__ = [
@@ -563,6 +564,7 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
     meta_extra = {
         "jax_version": jax.__version__,
         "host": f"{platform.machine()} {os.cpu_count()} cores",
+        **({"cpu": host_cpu()} if device.platform == "cpu" else {}),
         "device_count": jax.device_count(device.platform),
         "context_lengths": list(cost.context_lengths),
         "windows": list(cost.windows),

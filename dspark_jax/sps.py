@@ -43,6 +43,7 @@ import importlib.resources
 import json
 import math
 import os
+import platform
 import tempfile
 import warnings
 from pathlib import Path
@@ -62,6 +63,9 @@ __all__ = [
     "OVERHEAD_KINDS",
     "INTERPOLATIONS",
     "DEFAULT_TABLE",
+    "PACKAGED_TABLES",
+    "host_cpu",
+    "select_packaged_table",
     "atomic_write_text",
     "check_writable",
     "WINDOW_RULES",
@@ -76,7 +80,9 @@ __all__ = [
 FORMAT = "dspark-sps"
 VERSION = 1
 INTERPOLATIONS = ("linear", "ceil")
-# The packaged table measured on a CPU for SmolLM2-135M (see the README, "SPS profiling (measured)").
+# The packaged tables, measured for SmolLM2-135M on the CPUs the README names ("SPS profiling (measured)"):
+# default_sps_table() picks the one measured on the CPU most like this one, DEFAULT_TABLE where none is alike.
+PACKAGED_TABLES = "assets/sps"
 DEFAULT_TABLE = "assets/sps/cpu_smollm2_135m.json"
 
 
@@ -976,14 +982,100 @@ def load_sps_table(path: str | os.PathLike, *, model: str | None = None, dtype: 
     return table
 
 
+# What a CPU's steps per second depend on most, in the order they count when a packaged table is matched to
+# this host: the same model name, the same widest vector unit, the same vendor, the same core count.
+_CPU_MATCH = (("model_name", 8), ("isa", 4), ("vendor", 2), ("cores", 1))
+
+
+def host_cpu() -> dict[str, Any]:
+    """The CPU this process runs on, as far as its steps per second depend on it: ``vendor``, ``model_name``,
+    ``isa`` (the widest vector unit: ``amx``, ``avx512``, ``avx2``, ``sve``, ``neon`` or ``""``), ``cores`` and
+    ``machine``. Read from ``/proc/cpuinfo`` on Linux, from :mod:`platform` elsewhere. The profiler records it
+    in every table (``metadata.extra["cpu"]``) and :func:`default_sps_table` matches it. Under a hypervisor
+    the model name can be generic ("Intel(R) Xeon(R) Processor"); the instruction set still tells the
+    generations apart."""
+    fields: dict[str, str] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    isa = next((name for name, flag in (("amx", "amx_tile"), ("avx512", "avx512f"), ("avx2", "avx2"),
+                                        ("sve", "sve"), ("neon", "asimd")) if flag in flags), "")
+    return {"vendor": fields.get("vendor_id", ""), "model_name": fields.get("model name", platform.processor()),
+            "isa": isa, "cores": os.cpu_count() or 0, "machine": platform.machine()}
+
+
+def cpu_similarity(a: dict[str, Any], b: dict[str, Any]) -> int:
+    """How alike two :func:`host_cpu` records are (:data:`_CPU_MATCH` weights of the fields that are known
+    and equal in both; the machine must agree, else 0)."""
+    if a.get("machine") != b.get("machine"):
+        return 0
+    return sum(w for key, w in _CPU_MATCH if a.get(key) not in (None, "", 0) and a.get(key) == b.get(key))
+
+
+def _packaged_tables() -> list[tuple[str, dict]]:
+    """(resource name, metadata) of every packaged table, :data:`DEFAULT_TABLE` first."""
+    folder = importlib.resources.files("dspark_jax").joinpath(PACKAGED_TABLES)
+    names = [f"{PACKAGED_TABLES}/{f.name}" for f in folder.iterdir() if f.name.endswith(".json")] \
+        if folder.is_dir() else []
+    out = []
+    for name in sorted(names, key=lambda n: (n != DEFAULT_TABLE, n)):
+        try:
+            meta = json.loads(importlib.resources.files("dspark_jax").joinpath(name).read_text())["metadata"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"the packaged SPS table {name} is not a table ({e})") from None
+        out.append((name, meta))
+    return out
+
+
+def select_packaged_table(backend: str | None = None, device_kind: str | None = None,
+                          cpu: dict[str, Any] | None = None,
+                          tables: list[tuple[str, dict]] | None = None) -> tuple[str, str | None]:
+    """The packaged table for this host: ``(resource name, warning or None)``.
+
+    On an accelerator, a table of the same backend and device kind, else :data:`DEFAULT_TABLE` with a
+    warning (profile one: a table measured on other hardware misprices every round). On a CPU, the table
+    whose recorded CPU (``metadata.extra["cpu"]``) is most like this one (:func:`cpu_similarity`; ties keep
+    :data:`DEFAULT_TABLE`, then file order), with a warning when none shares at least its vector unit.
+    ``tables``: (name, metadata) pairs to choose from (default: the packaged ones, :data:`DEFAULT_TABLE`
+    first); ``cpu``: a :func:`host_cpu` record (default: this host's)."""
+    backend = backend or jax.default_backend()
+    device_kind = device_kind or jax.devices(backend)[0].device_kind
+    tables = _packaged_tables() if tables is None else tables
+    if not any(name == DEFAULT_TABLE for name, _ in tables):
+        raise ValueError(f"the packaged SPS table {DEFAULT_TABLE} is missing from this installation; "
+                         f"profile one with python -m profiling.profile_sps --out TABLE.json")
+    advice = ("profile one with python -m profiling.profile_sps --out TABLE.json and pass it (--sps TABLE.json, "
+              "or Engine(..., sps=load_sps_table(path)))")
+    if backend != "cpu":
+        for name, meta in tables:
+            if meta.get("backend") == backend and meta.get("device_kind") == device_kind:
+                return name, None
+        return DEFAULT_TABLE, (f"no packaged SPS table was measured on {backend} ({device_kind}); using "
+                               f"{DEFAULT_TABLE}, measured on a CPU; {advice}")
+    cpu = host_cpu() if cpu is None else cpu
+    scored = [(cpu_similarity(cpu, meta.get("extra", {}).get("cpu") or {}), -i, name)
+              for i, (name, meta) in enumerate(tables) if meta.get("backend") == "cpu"]
+    score, _, name = max(scored, default=(0, 0, DEFAULT_TABLE))
+    if score >= dict(_CPU_MATCH)["isa"]:
+        return name, None
+    return name, (f"no packaged SPS table was measured on a CPU like this one ({cpu.get('model_name')!r}, "
+                  f"{cpu.get('isa') or 'no known vector unit'}, {cpu.get('cores')} cores); using {name}; {advice}")
+
+
 def default_sps_table(*, model: str | None = None, dtype: str | None = None, backend: str | None = None,
                       device_kind: str | None = None, block: int | None = None) -> SPSTable:
-    """The packaged table (:data:`DEFAULT_TABLE`, measured on a CPU for SmolLM2-135M), checked like
-    :func:`load_sps_table`. Used when no table is given."""
-    resource = importlib.resources.files("dspark_jax").joinpath(DEFAULT_TABLE)
-    with importlib.resources.as_file(resource) as path:
-        if not path.is_file():
-            raise ValueError(f"the packaged SPS table {DEFAULT_TABLE} is missing from this installation; "
-                             f"profile one with python -m profiling.profile_sps --out TABLE.json")
+    """The packaged table for this host (:func:`select_packaged_table`: measured for SmolLM2-135M on the CPU
+    most like this one), checked like :func:`load_sps_table`. Used when no table is given. Warns where no
+    packaged table was measured on hardware like this."""
+    name, warning = select_packaged_table(backend, device_kind)
+    if warning:
+        warnings.warn(warning, stacklevel=2)
+    with importlib.resources.as_file(importlib.resources.files("dspark_jax").joinpath(name)) as path:
         return load_sps_table(path, model=model, dtype=dtype, backend=backend, device_kind=device_kind,
                               block=block)

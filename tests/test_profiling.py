@@ -479,6 +479,54 @@ def test_missing_default_table_is_clear(monkeypatch):
         default_sps_table()
 
 
+def _cpu(vendor="GenuineIntel", model_name="Intel(R) Xeon(R) Processor", isa="amx", cores=2, machine="x86_64"):
+    return {"vendor": vendor, "model_name": model_name, "isa": isa, "cores": cores, "machine": machine}
+
+
+def test_packaged_table_is_chosen_by_the_host_it_was_measured_on():
+    """The packaged table measured on the CPU most like this one: the same vector unit at least, the model
+    name first; ties keep the default; an unlike CPU or an accelerator gets the default and a warning that
+    names the host and how to profile one."""
+    from dspark_jax.sps import DEFAULT_TABLE, select_packaged_table
+
+    amd = _cpu(vendor="AuthenticAMD", model_name="", isa="avx2")
+    xeon = _cpu()
+    tables = [(DEFAULT_TABLE, {"backend": "cpu", "extra": {"cpu": amd}}),
+              ("assets/sps/xeon.json", {"backend": "cpu", "extra": {"cpu": xeon}}),
+              ("assets/sps/old.json", {"backend": "cpu", "extra": {}}),
+              ("assets/sps/h100.json", {"backend": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"})]
+    pick = lambda cpu, **kw: select_packaged_table(kw.pop("backend", "cpu"), kw.pop("device_kind", "cpu"),
+                                                   cpu=cpu, tables=tables)
+    assert pick(xeon) == ("assets/sps/xeon.json", None)
+    assert pick(_cpu(model_name="another Xeon")) == ("assets/sps/xeon.json", None)  # same vector unit
+    assert pick(_cpu(vendor="AuthenticAMD", model_name="AMD EPYC 7B13", isa="avx2", cores=4)) == (DEFAULT_TABLE, None)
+    # an AVX-512 CPU without AMX: like neither table; the closest (the Intel one: vendor and cores) with a warning
+    name, warning = pick(_cpu(model_name="Intel(R) Xeon(R) Gold 6338", isa="avx512"))
+    assert name == "assets/sps/xeon.json" and "Gold 6338" in warning and "avx512" in warning
+    assert "profiling.profile_sps" in warning
+    name, warning = pick(_cpu(vendor="", model_name="", isa="neon", cores=8, machine="aarch64"))
+    assert name == DEFAULT_TABLE and "no packaged SPS table was measured on a CPU like this one" in warning
+    assert pick(None, backend="gpu", device_kind="NVIDIA H100 80GB HBM3") == ("assets/sps/h100.json", None)
+    name, warning = pick(None, backend="tpu", device_kind="TPU v5 lite")
+    assert name == DEFAULT_TABLE and "no packaged SPS table was measured on tpu (TPU v5 lite)" in warning
+
+
+def test_host_cpu_reads_the_vector_unit(monkeypatch, tmp_path):
+    """``host_cpu`` on this machine has every field, and from a cpuinfo text it takes the first processor's
+    vendor and model name and the widest vector unit among its flags."""
+    from dspark_jax import sps
+
+    here = sps.host_cpu()
+    assert set(here) == {"vendor", "model_name", "isa", "cores", "machine"} and here["cores"] >= 1
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n"
+                    "flags\t\t: fpu sse2 avx fma avx2 bmi2\n\nprocessor\t: 1\nvendor_id\t: Other\n")
+    real = sps.Path
+    monkeypatch.setattr(sps, "Path", lambda p: real(info) if str(p) == "/proc/cpuinfo" else real(p))
+    cpu = sps.host_cpu()
+    assert (cpu["vendor"], cpu["model_name"], cpu["isa"]) == ("AuthenticAMD", "AMD EPYC 7B13", "avx2")
+
+
 def _packaged_default_table() -> bool:
     import importlib.resources
 
