@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import itertools
-import math
 from pathlib import Path
 from typing import Sequence
 
@@ -62,7 +61,9 @@ class LoadResult:
 
     tokens_per_s: float  # median over the repeats
     tokens_per_s_spread: float  # half the range of the repeats
-    repeats: list[float]
+    repeats: list[float]  # tokens/s of each window
+    window_emitted: list[int]  # tokens each window emitted in its rounds that compiled nothing
+    window_seconds: list[float]  # and their seconds
     accept_len: float  # mean (accepted drafts + 1) per request-round
     drafts_per_request: float  # mean scheduled drafts per request per round
     rejected_share: float  # share of verified drafts that were rejected
@@ -156,11 +157,9 @@ def interleaved(engines: dict[str, Engine], prompts: Sequence[Sequence[int]], co
 def summarize_windows(windows: Sequence[Sequence[RoundStats]], *, completed_requests: int = 0) -> LoadResult:
     """A :class:`LoadResult` from measurement windows (lists of rounds): tokens/s per window over its rounds
     that compiled nothing, their median and half their range, and the counters over all steady rounds."""
-    rates = []
-    for w in windows:
-        steady = [r for r in w if not r.compiled]
-        secs = sum(r.seconds for r in steady)
-        rates.append(sum(r.emitted for r in steady) / secs if secs > 0 else float("nan"))
+    emitted = [sum(r.emitted for r in w if not r.compiled) for w in windows]
+    seconds = [float(sum(r.seconds for r in w if not r.compiled)) for w in windows]
+    rates = [e / t if t > 0 else float("nan") for e, t in zip(emitted, seconds)]
     rounds = [r for w in windows for r in w]
     steady = [r for r in rounds if not r.compiled]
     sched = np.concatenate([r.scheduled for r in steady]) if steady else np.zeros(0)
@@ -170,6 +169,8 @@ def summarize_windows(windows: Sequence[Sequence[RoundStats]], *, completed_requ
         tokens_per_s=float(np.nanmedian(rates_arr)),
         tokens_per_s_spread=float((np.nanmax(rates_arr) - np.nanmin(rates_arr)) / 2) if len(rates) > 1 else 0.0,
         repeats=[float(x) for x in rates],
+        window_emitted=[int(e) for e in emitted],
+        window_seconds=seconds,
         accept_len=float(np.mean(acc + 1)) if acc.size else float("nan"),
         drafts_per_request=float(sched.mean()) if sched.size else 0.0,
         rejected_share=float(1 - acc.sum() / sched.sum()) if sched.sum() > 0 else 0.0,
@@ -181,25 +182,28 @@ def summarize_windows(windows: Sequence[Sequence[RoundStats]], *, completed_requ
     )
 
 
-def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
-    """A distribution-free confidence interval for the median of ``values`` (the sign test's order
-    statistics): ``(x_(k), x_(n+1-k), coverage)`` for the largest k whose coverage, 1 - 2 P(Bin(n, 1/2) < k),
-    is at least ``level``. It assumes only that the values are independent draws of one distribution (the
-    per-window ratios of a paired benchmark, say). With too few values for ``level`` (n < 6 at 0.95) it
-    returns the range and the range's own coverage, 1 - 2 / 2^n, which the caller must report with it.
-    NaNs are dropped."""
+def pooled_ratio(emitted_a: Sequence[float], seconds_a: Sequence[float], emitted_b: Sequence[float],
+                 seconds_b: Sequence[float], *, level: float = 0.95, resamples: int = 4000,
+                 seed: int = 0) -> tuple[float, float, float]:
+    """Throughput of A over B on paired windows: (sum of A's tokens / sum of A's seconds) over the same for B,
+    with a paired bootstrap interval (windows resampled with replacement, each keeping its A and B, the
+    ``level`` percentile range of ``resamples`` ratios; a fixed ``seed``). Window k of every engine serves the
+    same answers, so the pooled ratio is the ratio of throughputs on one workload, and resampling pairs keeps
+    what the content of a window does to both. Returns ``(ratio, low, high)``."""
+    a_e, a_s, b_e, b_s = (np.asarray(x, np.float64) for x in (emitted_a, seconds_a, emitted_b, seconds_b))
+    n = len(a_e)
+    if not n or any(len(x) != n for x in (a_s, b_e, b_s)):
+        raise ValueError(f"pooled_ratio: expected four sequences of one length >= 1, got "
+                         f"{[len(x) for x in (a_e, a_s, b_e, b_s)]}")
     if not 0.0 < level < 1.0:
-        raise ValueError(f"median_interval: level must lie in (0, 1), got {level}")
-    x = np.sort(np.asarray(values, np.float64))
-    x = x[~np.isnan(x)]
-    n = len(x)
-    if n == 0:
-        raise ValueError("median_interval: expected at least one value that is not NaN")
-    below = np.cumsum([math.comb(n, j) for j in range(n + 1)]) / 2.0**n  # below[j] = P(Bin(n, 1/2) <= j)
-    k = 1
-    while k + 1 <= (n + 1) // 2 and 1 - 2 * below[k] >= level:  # (x_(k+1), x_(n-k)) still covers enough
-        k += 1
-    return float(x[k - 1]), float(x[n - k]), float(1 - 2 * below[k - 1])
+        raise ValueError(f"pooled_ratio: level must lie in (0, 1), got {level}")
+    if np.any(a_s <= 0) or np.any(b_s <= 0):
+        raise ValueError("pooled_ratio: every window needs seconds > 0")
+    ratio = (a_e.sum() / a_s.sum()) / (b_e.sum() / b_s.sum())
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    boot = (a_e[idx].sum(1) / a_s[idx].sum(1)) / (b_e[idx].sum(1) / b_s[idx].sum(1))
+    lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
+    return float(ratio), float(lo), float(hi)
 
 
 def scheduling_quality(rounds: Sequence[RoundStats], table) -> dict[str, float]:

@@ -16,10 +16,12 @@ Interleaved by default: at each (concurrency, temperature) every policy gets its
 time, in a rotated order each repeat. A host whose speed drifts then slows every policy alike within a
 repeat, and the per-window ratios (`ratio_vs_none_repeats`, `ratio_vs_best_fixed_repeats`) show the spread of
 the ratios themselves; their medians (`ratio_vs_none_paired`, `ratio_vs_best_fixed_paired`) are the paired
-estimates, which a drift between windows does not move; `ratio_vs_none_ci` and `ratio_vs_best_fixed_ci`
-are distribution-free intervals for those medians ([low, high, coverage]: 95% from 6 windows up, below that
-the range and its own coverage). `--sequential` measures each policy's windows back to back on one engine
-instead.
+estimates, which a drift between windows does not move. The windows also differ in what they serve (a
+window of math answers accepts more drafts than one of chat), so the per-window ratios spread by content as
+well as by noise; `ratio_vs_none_pooled` and `ratio_vs_best_fixed_pooled` are the throughput over all
+windows against the reference's over the same windows, and `ratio_vs_none_ci`, `ratio_vs_best_fixed_ci` their
+paired bootstrap 95% intervals (windows resampled with replacement, each keeping both policies' times).
+`--sequential` measures each policy's windows back to back on one engine instead.
 
 `--json` is written after every point (`"complete": false` until the end), and `--resume` goes on from such
 a file with the same settings, measuring only the points it lacks (the scheduling quality then covers the
@@ -41,7 +43,7 @@ from dspark_jax.drafters import prior_confidence, resolve_drafter
 from dspark_jax.engine import Engine, EngineConfig, parse_policy
 from dspark_jax.models.llama import LlamaModel
 from dspark_jax.plots import plot_serving
-from dspark_jax.serving import (closed_loop, interleaved, median_interval, mixed_prompts, scheduling_quality,
+from dspark_jax.serving import (closed_loop, interleaved, mixed_prompts, pooled_ratio, scheduling_quality,
                                 window_tokens)
 from dspark_jax.sps import default_sps_table, load_sps_table
 from dspark_jax.timing import device_info, format_table, write_json
@@ -89,12 +91,14 @@ def previous_rows(args) -> list[dict]:
 
 
 def paired_ratios(row: dict) -> str:
-    """A row's paired ratios against `none` and the best fixed K with their intervals, for the printout."""
+    """A row's pooled ratios against `none` and the best fixed K with their intervals and the median of the
+    per-window ratios, for the printout."""
     out = ""
     for key, ref in (("none", "none"), ("best_fixed", row.get("best_fixed"))):
         ci = row.get(f"ratio_vs_{key}_ci")
         if ci:
-            out += f"  / {ref} {row[f'ratio_vs_{key}_paired']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}] ({ci[2]:.0%})"
+            out += (f"  / {ref} {row[f'ratio_vs_{key}_pooled']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
+                    f" (median {row[f'ratio_vs_{key}_paired']:.3f})")
     return out
 
 
@@ -189,6 +193,7 @@ def main(argv=None):
         policy = engine_policy(policy_text)
         row = {"policy": policy_text, "concurrency": n, "temperature": temp, "tokens_per_s": res.tokens_per_s,
                "tokens_per_s_spread": res.tokens_per_s_spread, "tokens_per_s_per_user": res.tokens_per_s / n,
+               "window_emitted": res.window_emitted, "window_seconds": res.window_seconds,
                "accept_len": res.accept_len, "drafts_per_request": res.drafts_per_request,
                "rejected_share": res.rejected_share, "mean_batch_tokens": res.mean_batch_tokens,
                "repeats": res.repeats, "steady_rounds": res.steady_rounds, "compiled_rounds": res.compiled_rounds,
@@ -244,14 +249,16 @@ def main(argv=None):
                 r["ratio_vs_best_fixed"] = r["tokens_per_s"] / best_fixed["tokens_per_s"] if best_fixed else None
                 r["best_fixed"] = best_fixed["policy"] if best_fixed else None
                 if not args.sequential:  # window k of every policy ran side by side: ratios per window
-                    for key, ref in (("ratio_vs_none_repeats", none), ("ratio_vs_best_fixed_repeats", best_fixed)):
-                        r[key] = [a / b for a, b in zip(r["repeats"], ref["repeats"])] if ref else None
-                        # the paired estimate: the median of the per-window ratios (a host-speed drift between
-                        # windows cancels inside each window; the ratio of the medians does not pair them)
-                        r[key.replace("_repeats", "_paired")] = float(np.median(r[key])) if ref else None
-                        # and a distribution-free 95% interval for that median ([low, high, coverage]; the range
-                        # and its own coverage when there are too few windows for 95%)
-                        r[key.replace("_repeats", "_ci")] = list(median_interval(r[key])) if ref else None
+                    for key, ref in (("ratio_vs_none", none), ("ratio_vs_best_fixed", best_fixed)):
+                        r[key + "_repeats"] = [a / b for a, b in zip(r["repeats"], ref["repeats"])] if ref else None
+                        # the median of the per-window ratios (a host-speed drift between windows cancels
+                        # inside each window; the ratio of the medians does not pair them)
+                        r[key + "_paired"] = float(np.median(r[key + "_repeats"])) if ref else None
+                        # throughput over all windows against the reference's over the same windows (the same
+                        # answers), with a paired bootstrap 95% interval over the windows
+                        pooled = (pooled_ratio(r["window_emitted"], r["window_seconds"], ref["window_emitted"],
+                                               ref["window_seconds"]) if ref else (None, None, None))
+                        r[key + "_pooled"], r[key + "_ci"] = pooled[0], (list(pooled[1:]) if ref else None)
                 r.update(info)
             rows += point
             save(False)
@@ -269,7 +276,7 @@ def main(argv=None):
                                "ratio_vs_none", "ratio_vs_best_fixed"]
                              + ([] if args.sequential else ["ratio_vs_none_paired", "ratio_vs_best_fixed_paired"])))
     if not args.sequential:
-        print("\nper-window ratios: median [interval] (its coverage)")
+        print("\nratios over all windows [paired bootstrap 95% interval] (median of the per-window ratios):")
         for r in shown:
             print(f"  T={r['temperature']:g} N={r['concurrency']:3d} {r['policy']:14s}{paired_ratios(r)}")
     q = {f"N={n} T={t:g}": scheduling_quality(v, table) for (n, t), v in recorded.items()}

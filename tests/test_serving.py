@@ -9,7 +9,7 @@ import pytest
 
 from dspark_jax import scheduler
 from dspark_jax.engine import RoundStats
-from dspark_jax.serving import median_interval, scheduling_quality
+from dspark_jax.serving import pooled_ratio, scheduling_quality
 from dspark_jax.sps import SPSPoint, SPSTable
 
 
@@ -88,9 +88,13 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
             assert r["ratio_vs_none_repeats"] == pytest.approx(
                 [a / b for a, b in zip(r["repeats"], point["none"]["repeats"])])
             assert r["ratio_vs_none_paired"] == pytest.approx(float(np.median(r["ratio_vs_none_repeats"])))
-            # two windows are too few for 95%: the interval is their range, with the range's coverage (1/2)
-            assert r["ratio_vs_none_ci"] == pytest.approx(
-                [min(r["ratio_vs_none_repeats"]), max(r["ratio_vs_none_repeats"]), 0.5])
+            # over all windows: tokens over seconds against none's, inside its bootstrap interval
+            assert r["ratio_vs_none_pooled"] == pytest.approx(
+                (sum(r["window_emitted"]) / sum(r["window_seconds"]))
+                / (sum(point["none"]["window_emitted"]) / sum(point["none"]["window_seconds"])))
+            lo, hi = r["ratio_vs_none_ci"]
+            assert lo <= r["ratio_vs_none_pooled"] * (1 + 1e-9) and r["ratio_vs_none_pooled"] <= hi * (1 + 1e-9)
+            assert r["repeats"] == pytest.approx([e / t for e, t in zip(r["window_emitted"], r["window_seconds"])])
         best_fixed = max(point["fixed:1"]["tokens_per_s"], point["fixed:3"]["tokens_per_s"])
         assert point["dspark"]["ratio_vs_best_fixed"] == pytest.approx(point["dspark"]["tokens_per_s"] / best_fixed)
         assert point["threshold:best"]["threshold"] == best_c
@@ -137,25 +141,27 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
         bench_serving.main(["--resume"])
 
 
-def test_median_interval_order_statistics_and_coverage():
-    """The sign test's interval: for 9 values (x_(2), x_(8)) at 1 - 2 * 10/512, for 20 values (x_(6), x_(15)) at
-    0.9586; too few values give the range and its coverage; and over many samples of a skewed distribution
-    the interval holds the true median at least as often as it says."""
-    assert median_interval([9, 1, 8, 2, 7, 3, 6, 4, 5]) == pytest.approx((2, 8, 1 - 20 / 512))
-    assert median_interval(list(range(20))) == pytest.approx((5, 14, 0.9586105))
-    assert median_interval([0.9, 1.2, 1.0]) == pytest.approx((0.9, 1.2, 0.75))
-    assert median_interval([2.0, float("nan"), 1.0]) == pytest.approx((1.0, 2.0, 0.5))
-    assert median_interval([9, 1, 8, 2, 7, 3, 6, 4, 5], level=0.8)[:2] == (3, 7)
+def test_pooled_ratio_and_its_paired_interval():
+    """The pooled ratio is total tokens over total seconds against the reference's; its bootstrap interval
+    is the percentile range of resampled windows (a window keeps both engines' times), so a window whose
+    content makes both engines slow moves neither end, and identical engines give exactly 1."""
+    e, t = [100, 100, 100, 100], [1.0, 2.0, 4.0, 1.0]
+    assert pooled_ratio(e, t, e, t) == pytest.approx((1.0, 1.0, 1.0))
+    # A is 1.25 x B in every window, whatever the window's content does to both
+    ratio, lo, hi = pooled_ratio(e, [x / 1.25 for x in t], e, t)
+    assert (ratio, lo, hi) == pytest.approx((1.25, 1.25, 1.25))
+    # A is faster in two windows and slower in two: the interval holds the pooled ratio and is wide
+    a_t = [0.5, 2.0, 5.0, 0.8]
+    ratio, lo, hi = pooled_ratio(e, a_t, e, t)
+    assert ratio == pytest.approx(sum(t) / sum(a_t)) and lo < ratio < hi
     rng = np.random.default_rng(0)
-    for n in (6, 9, 15):
-        samples = rng.lognormal(0.0, 0.5, size=(4000, n))  # true median 1
-        hits = [lo <= 1.0 <= hi for lo, hi, _ in map(median_interval, samples)]
-        coverage = median_interval(samples[0])[2]
-        assert coverage >= 0.95 and np.mean(hits) >= coverage - 0.02
-    with pytest.raises(ValueError, match="at least one value"):
-        median_interval([float("nan")])
-    with pytest.raises(ValueError, match="level must lie"):
-        median_interval([1.0], level=1.0)
+    idx = rng.integers(0, 4, size=(4000, 4))  # the same draws as the function's seed 0
+    boot = np.asarray(t)[idx].sum(1) / np.asarray(a_t)[idx].sum(1)
+    assert (lo, hi) == pytest.approx(tuple(np.quantile(boot, [0.025, 0.975])))
+    with pytest.raises(ValueError, match="one length"):
+        pooled_ratio([1, 2], [1.0], [1, 2], [1.0, 1.0])
+    with pytest.raises(ValueError, match="seconds > 0"):
+        pooled_ratio([1], [0.0], [1], [1.0])
 
 
 def _timed_round(emitted, seconds, compiled=False, scheduled=(0,), accepted=(0,)):
