@@ -42,8 +42,11 @@ def main(argv=None):
     G = drafter.cfg.block
     capacity = -(-(256 + args.max_new_tokens + G + 1) // 128) * 128
     info = device_info()
+    cpu = sps.metadata.extra.get("cpu") or {}
+    measured_on = " ".join(x for x in (cpu.get("model_name") or cpu.get("vendor"), cpu.get("isa")) if x)
     print(f"target SmolLM2-135M-Instruct ({info['backend']}, {info['host']}), drafter {path.name} "
-          f"(G={G}, {drafter.cfg.head} head), SPS table up to B={sps.max_tokens}\n")
+          f"(G={G}, {drafter.cfg.head} head), SPS table up to B={sps.max_tokens} measured {sps.metadata.date} on "
+          f"{measured_on or sps.metadata.device_kind}\n")
 
     engine = Engine(model, drafter, "dspark", EngineConfig(num_slots=1, capacity=capacity, prior_confidence=prior),
                     sts_temperatures=temps, sps=sps)

@@ -138,9 +138,16 @@ def plot_sps(table, out_png: str | os.PathLike, title: str = "") -> Path:
     return Path(out_png)
 
 
+def _throughput(row: dict) -> float:
+    """A serving row's throughput: over all its windows where recorded (interleaved runs), else the median."""
+    return row.get("tokens_per_s_pooled", row["tokens_per_s"])
+
+
 def plot_serving(rows: Sequence[dict], out_dir: str | os.PathLike) -> list[Path]:
     """Throughput and scheduled drafts against concurrency (paper fig. 8), throughput against per-user
-    speed (fig. 7); one figure per temperature."""
+    speed (fig. 7); one figure per temperature. Rows with pooled ratios (interleaved runs) plot throughput
+    over all windows and add a panel of each policy's ratio to `none` with its paired 95% interval; rows
+    without plot the median window and half the range of the windows."""
     plt = _plt()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -148,18 +155,28 @@ def plot_serving(rows: Sequence[dict], out_dir: str | os.PathLike) -> list[Path]
     for temp in sorted({r["temperature"] for r in rows}):
         rs = [r for r in rows if r["temperature"] == temp]
         policies = list(dict.fromkeys(r["policy"] for r in rs))
-        fig, ax = plt.subplots(2, 1, figsize=(7, 8), sharex=True)
+        pooled = all(r.get("ratio_vs_none_ci") for r in rs)
+        fig, ax = plt.subplots(3 if pooled else 2, 1, figsize=(7, 11 if pooled else 8), sharex=True)
         for pol in policies:
             pts = sorted((r["concurrency"], r) for r in rs if r["policy"] == pol)
             xs = [c for c, _ in pts]
-            ax[0].errorbar(xs, [r["tokens_per_s"] for _, r in pts], yerr=[r["tokens_per_s_spread"] for _, r in pts],
-                           marker="o", capsize=3, label=pol)
-            ax[1].plot(xs, [r["drafts_per_request"] for _, r in pts], marker="o", label=pol)
-        ax[0].set_ylabel("total output tokens/s")
+            if pooled:
+                ax[0].plot(xs, [_throughput(r) for _, r in pts], marker="o", label=pol)
+                ratio = np.array([r["ratio_vs_none_pooled"] for _, r in pts])
+                ci = np.array([r["ratio_vs_none_ci"] for _, r in pts])
+                ax[1].errorbar(xs, ratio, yerr=[ratio - ci[:, 0], ci[:, 1] - ratio], marker="o", capsize=3, label=pol)
+            else:
+                ax[0].errorbar(xs, [r["tokens_per_s"] for _, r in pts],
+                               yerr=[r["tokens_per_s_spread"] for _, r in pts], marker="o", capsize=3, label=pol)
+            ax[-1].plot(xs, [r["drafts_per_request"] for _, r in pts], marker="o", label=pol)
+        ax[0].set_ylabel("total output tokens/s" + (" (all windows)" if pooled else ""))
         ax[0].set_xscale("log", base=2)
         ax[0].legend(fontsize=8)
-        ax[1].set_ylabel("scheduled drafts per request per round")
-        ax[1].set_xlabel("concurrent users")
+        if pooled:
+            ax[1].axhline(1.0, color="0.5", lw=0.8)
+            ax[1].set_ylabel("throughput / none (paired 95% interval)")
+        ax[-1].set_ylabel("scheduled drafts per request per round")
+        ax[-1].set_xlabel("concurrent users")
         fig.suptitle(f"throughput and verified length vs load (temperature {temp:g})")
         fig.tight_layout()
         path = out_dir / f"serving_load_t{temp:g}.png"
@@ -169,8 +186,8 @@ def plot_serving(rows: Sequence[dict], out_dir: str | os.PathLike) -> list[Path]
         fig, ax = plt.subplots(figsize=(7, 5))
         for pol in policies:
             pts = sorted((r["concurrency"], r) for r in rs if r["policy"] == pol)
-            ax.plot([r["tokens_per_s_per_user"] for _, r in pts], [r["tokens_per_s"] for _, r in pts], marker="o",
-                    label=pol)
+            ax.plot([_throughput(r) / r["concurrency"] for _, r in pts], [_throughput(r) for _, r in pts],
+                    marker="o", label=pol)
         ax.set_xlabel("tokens/s per user")
         ax.set_ylabel("total output tokens/s")
         ax.set_title(f"throughput against per-user speed (temperature {temp:g})")

@@ -67,7 +67,7 @@ _SAME = ("concurrency", "temperatures", "policies", "thresholds", "threshold_swe
 
 
 def settings(args) -> dict:
-    return {k: v for k, v in vars(args).items() if k != "resume"}
+    return {k: v for k, v in vars(args).items() if k not in ("resume", "recompute")}
 
 
 def previous_rows(args) -> list[dict]:
@@ -88,6 +88,52 @@ def previous_rows(args) -> list[dict]:
                          + ", ".join(f"{k}={before.get(k)!r}, now {now.get(k)!r}" for k in differ)
                          + "); use another --json or the same settings")
     return rows
+
+
+def add_ratios(point: list[dict], *, paired: bool) -> None:
+    """The ratios of every row of one (concurrency, temperature) point against `none` and the best fixed K,
+    in place. Interleaved (``paired``): the best fixed K is the one with the highest throughput over all
+    windows (``tokens_per_s_pooled``), and each row gets its per-window ratios, their median (``_paired``),
+    the ratio over all windows (``_pooled``) and its paired bootstrap interval (``_ci``). Sequential: the
+    best fixed K and the ratios by the median windows only."""
+    speed = "tokens_per_s_pooled" if paired else "tokens_per_s"
+    for r in point:
+        if paired:
+            r["tokens_per_s_pooled"] = sum(r["window_emitted"]) / sum(r["window_seconds"])
+    none = next((r for r in point if r["policy"] == "none"), None)
+    fixed = [r for r in point if r["policy"].startswith("fixed:")]
+    best_fixed = max(fixed, key=lambda r: r[speed]) if fixed else None
+    for r in point:
+        r["best_fixed"] = best_fixed["policy"] if best_fixed else None
+        for key, ref in (("ratio_vs_none", none), ("ratio_vs_best_fixed", best_fixed)):
+            r[key] = r["tokens_per_s"] / ref["tokens_per_s"] if ref else None  # the ratio of the medians
+            if not paired:
+                continue
+            # window k of every policy ran side by side: the per-window ratios, and their median (a host-speed
+            # drift between windows cancels inside each window; the ratio of the medians does not pair them)
+            r[key + "_repeats"] = [a / b for a, b in zip(r["repeats"], ref["repeats"])] if ref else None
+            r[key + "_paired"] = float(np.median(r[key + "_repeats"])) if ref else None
+            # throughput over all windows against the reference's over the same windows (the same answers), with
+            # a paired bootstrap 95% interval over the windows
+            pooled = (pooled_ratio(r["window_emitted"], r["window_seconds"], ref["window_emitted"],
+                                   ref["window_seconds"]) if ref else (None, None, None))
+            r[key + "_pooled"], r[key + "_ci"] = pooled[0], (list(pooled[1:]) if ref else None)
+
+
+def recompute(path: str) -> list[dict]:
+    """The ratios of the report at ``path`` recomputed by :func:`add_ratios` (this version's rules, on the
+    windows it recorded; nothing is measured), written back atomically."""
+    report = json.loads(Path(path).read_text())
+    rows = report["rows"]
+    points: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if not r.get("threshold_sweep"):
+            points.setdefault((r["concurrency"], r["temperature"]), []).append(r)
+    paired = not report["args"].get("sequential")
+    for point in points.values():
+        add_ratios(point, paired=paired)
+    write_json(path, dict(report, rows=rows))
+    return [r for point in points.values() for r in point]
 
 
 def paired_ratios(row: dict) -> str:
@@ -133,6 +179,9 @@ def main(argv=None):
     p.add_argument("--control", action="store_true",
                    help=f"add a second `none` engine ({CONTROL!r}) to every point: its ratio to `none` is the "
                         "noise floor of the ratios (two identical engines)")
+    p.add_argument("--recompute", action="store_true",
+                   help="measure nothing: recompute the ratios of the report at --json by this version's rules "
+                        "(from the windows it recorded), write it back and draw --plots")
     p.add_argument("--resume", action="store_true",
                    help="keep the points (and threshold sweeps) already in --json from an interrupted run with the "
                         "same settings, and measure only the rest")
@@ -144,6 +193,15 @@ def main(argv=None):
         args.min_window_tokens = 12
     if args.control and CONTROL not in args.policies:
         args.policies = [*args.policies, CONTROL]
+    if args.recompute:
+        if not args.json:
+            raise ValueError("--recompute needs --json: the report to recompute")
+        shown = recompute(args.json)
+        for r in shown:
+            print(f"  T={r['temperature']:g} N={r['concurrency']:3d} {r['policy']:14s}{paired_ratios(r)}")
+        if args.plots:
+            plot_serving(shown, args.plots)
+        return shown
     if args.resume and not args.json:
         raise ValueError("--resume needs --json: the file of the interrupted run")
     done = previous_rows(args) if args.resume else []
@@ -241,24 +299,8 @@ def main(argv=None):
                 for pol, r in zip(args.policies, measure_interleaved(names, n, temp)):
                     point.append(dict(r, policy="threshold:best", threshold=best_c, threshold_sweep=False)
                                  if pol == "threshold" else r)
-            none = next((r for r in point if r["policy"] == "none"), None)
-            fixed = [r for r in point if r["policy"].startswith("fixed:")]
-            best_fixed = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else None
+            add_ratios(point, paired=not args.sequential)
             for r in point:
-                r["ratio_vs_none"] = r["tokens_per_s"] / none["tokens_per_s"] if none else None
-                r["ratio_vs_best_fixed"] = r["tokens_per_s"] / best_fixed["tokens_per_s"] if best_fixed else None
-                r["best_fixed"] = best_fixed["policy"] if best_fixed else None
-                if not args.sequential:  # window k of every policy ran side by side: ratios per window
-                    for key, ref in (("ratio_vs_none", none), ("ratio_vs_best_fixed", best_fixed)):
-                        r[key + "_repeats"] = [a / b for a, b in zip(r["repeats"], ref["repeats"])] if ref else None
-                        # the median of the per-window ratios (a host-speed drift between windows cancels
-                        # inside each window; the ratio of the medians does not pair them)
-                        r[key + "_paired"] = float(np.median(r[key + "_repeats"])) if ref else None
-                        # throughput over all windows against the reference's over the same windows (the same
-                        # answers), with a paired bootstrap 95% interval over the windows
-                        pooled = (pooled_ratio(r["window_emitted"], r["window_seconds"], ref["window_emitted"],
-                                               ref["window_seconds"]) if ref else (None, None, None))
-                        r[key + "_pooled"], r[key + "_ci"] = pooled[0], (list(pooled[1:]) if ref else None)
                 r.update(info)
             rows += point
             save(False)
