@@ -983,17 +983,21 @@ def load_sps_table(path: str | os.PathLike, *, model: str | None = None, dtype: 
 
 
 # What a CPU's steps per second depend on most, in the order they count when a packaged table is matched to
-# this host: the same model name, the same widest vector unit, the same vendor, the same core count.
-_CPU_MATCH = (("model_name", 8), ("isa", 4), ("vendor", 2), ("cores", 1))
+# this host: the same widest vector unit (a table of another one is never preferred: under a hypervisor the
+# model name is often generic, "AMD EPYC" for an AVX2 and an AVX-512 generation alike), the same family and
+# model numbers (the generation), the same model name, the same vendor, the same core count. Each weight
+# exceeds the sum of those after it.
+_CPU_MATCH = (("isa", 16), ("family", 8), ("model_name", 4), ("vendor", 2), ("cores", 1))
 
 
 def host_cpu() -> dict[str, Any]:
     """The CPU this process runs on, as far as its steps per second depend on it: ``vendor``, ``model_name``,
-    ``isa`` (the widest vector unit: ``amx``, ``avx512``, ``avx2``, ``sve``, ``neon`` or ``""``), ``cores`` and
+    ``family`` (x86 ``"cpu family/model"``, e.g. ``"25/17"`` for AMD Zen 4; ``""`` where unknown), ``isa``
+    (the widest vector unit: ``amx``, ``avx512``, ``avx2``, ``sve``, ``neon`` or ``""``), ``cores`` and
     ``machine``. Read from ``/proc/cpuinfo`` on Linux, from :mod:`platform` elsewhere. The profiler records it
     in every table (``metadata.extra["cpu"]``) and :func:`default_sps_table` matches it. Under a hypervisor
-    the model name can be generic ("Intel(R) Xeon(R) Processor"); the instruction set still tells the
-    generations apart."""
+    the model name can be generic ("Intel(R) Xeon(R) Processor", "AMD EPYC"); the instruction set and the
+    family and model numbers still tell the generations apart."""
     fields: dict[str, str] = {}
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -1006,8 +1010,9 @@ def host_cpu() -> dict[str, Any]:
     flags = set((fields.get("flags") or fields.get("Features") or "").split())
     isa = next((name for name, flag in (("amx", "amx_tile"), ("avx512", "avx512f"), ("avx2", "avx2"),
                                         ("sve", "sve"), ("neon", "asimd")) if flag in flags), "")
+    family = f"{fields['cpu family']}/{fields['model']}" if "cpu family" in fields and "model" in fields else ""
     return {"vendor": fields.get("vendor_id", ""), "model_name": fields.get("model name", platform.processor()),
-            "isa": isa, "cores": os.cpu_count() or 0, "machine": platform.machine()}
+            "family": family, "isa": isa, "cores": os.cpu_count() or 0, "machine": platform.machine()}
 
 
 def cpu_similarity(a: dict[str, Any], b: dict[str, Any]) -> int:

@@ -479,14 +479,16 @@ def test_missing_default_table_is_clear(monkeypatch):
         default_sps_table()
 
 
-def _cpu(vendor="GenuineIntel", model_name="Intel(R) Xeon(R) Processor", isa="amx", cores=2, machine="x86_64"):
-    return {"vendor": vendor, "model_name": model_name, "isa": isa, "cores": cores, "machine": machine}
+def _cpu(vendor="GenuineIntel", model_name="Intel(R) Xeon(R) Processor", isa="amx", cores=2, machine="x86_64",
+         family=""):
+    return {"vendor": vendor, "model_name": model_name, "family": family, "isa": isa, "cores": cores,
+            "machine": machine}
 
 
 def test_packaged_table_is_chosen_by_the_host_it_was_measured_on():
-    """The packaged table measured on the CPU most like this one: the same vector unit at least, the model
-    name first; ties keep the default; an unlike CPU or an accelerator gets the default and a warning that
-    names the host and how to profile one."""
+    """The packaged table measured on the CPU most like this one: the same vector unit at least, then the same
+    family and model numbers, then the model name; ties keep the default; an unlike CPU or an accelerator gets
+    the default and a warning that names the host and how to profile one."""
     from dspark_jax.sps import DEFAULT_TABLE, select_packaged_table
 
     amd = _cpu(vendor="AuthenticAMD", model_name="", isa="avx2")
@@ -506,6 +508,15 @@ def test_packaged_table_is_chosen_by_the_host_it_was_measured_on():
     assert "profiling.profile_sps" in warning
     name, warning = pick(_cpu(vendor="", model_name="", isa="neon", cores=8, machine="aarch64"))
     assert name == DEFAULT_TABLE and "no packaged SPS table was measured on a CPU like this one" in warning
+    # a generic model name under a hypervisor ("AMD EPYC" for two generations) never outweighs the vector unit
+    zen4 = _cpu(vendor="AuthenticAMD", model_name="AMD EPYC", isa="avx512", family="25/17")
+    tables.insert(2, ("assets/sps/zen4.json", {"backend": "cpu", "extra": {"cpu": zen4}}))
+    assert pick(zen4) == ("assets/sps/zen4.json", None)
+    assert pick(_cpu(vendor="AuthenticAMD", model_name="AMD EPYC", isa="avx2", family="23/49")) == (DEFAULT_TABLE, None)
+    assert pick(_cpu(vendor="AuthenticAMD", model_name="AMD EPYC 9B14", isa="avx512", family="25/17")) \
+        == ("assets/sps/zen4.json", None)
+    # the same vector unit on another vendor is still a match, the closest of the two AVX-512 tables
+    assert pick(_cpu(model_name="Intel(R) Xeon(R) Gold 6338", isa="avx512"))[0] == "assets/sps/zen4.json"
     assert pick(None, backend="gpu", device_kind="NVIDIA H100 80GB HBM3") == ("assets/sps/h100.json", None)
     name, warning = pick(None, backend="tpu", device_kind="TPU v5 lite")
     assert name == DEFAULT_TABLE and "no packaged SPS table was measured on tpu (TPU v5 lite)" in warning
@@ -517,14 +528,37 @@ def test_host_cpu_reads_the_vector_unit(monkeypatch, tmp_path):
     from dspark_jax import sps
 
     here = sps.host_cpu()
-    assert set(here) == {"vendor", "model_name", "isa", "cores", "machine"} and here["cores"] >= 1
+    assert set(here) == {"vendor", "model_name", "family", "isa", "cores", "machine"} and here["cores"] >= 1
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n"
-                    "flags\t\t: fpu sse2 avx fma avx2 bmi2\n\nprocessor\t: 1\nvendor_id\t: Other\n")
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n"
+                    "model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx fma avx2 bmi2\n\n"
+                    "processor\t: 1\nvendor_id\t: Other\nmodel\t\t: 2\n")
     real = sps.Path
     monkeypatch.setattr(sps, "Path", lambda p: real(info) if str(p) == "/proc/cpuinfo" else real(p))
     cpu = sps.host_cpu()
-    assert (cpu["vendor"], cpu["model_name"], cpu["isa"]) == ("AuthenticAMD", "AMD EPYC 7B13", "avx2")
+    assert (cpu["vendor"], cpu["model_name"], cpu["family"], cpu["isa"]) == ("AuthenticAMD", "AMD EPYC 7B13",
+                                                                            "25/1", "avx2")
+
+
+def test_every_packaged_table_loads_and_names_its_cpu():
+    """Each packaged table is a valid table of the shipped model with a cost model, and each CPU table records
+    the host it was measured on with the fields :func:`host_cpu` gives (what the selection matches)."""
+    import importlib.resources
+
+    from dspark_jax import sps
+
+    names = [name for name, _ in sps._packaged_tables()]
+    assert names[0] == sps.DEFAULT_TABLE and len(names) >= 3
+    for name in names:
+        with importlib.resources.as_file(importlib.resources.files("dspark_jax").joinpath(name)) as path:
+            t = load_sps_table(path, model="SmolLM2-135M-Instruct.Q4_1.gguf", dtype="float32", block=G)
+        assert t.cost_model is not None and t.max_tokens >= 256, name
+        if t.metadata.backend == "cpu":
+            cpu = t.metadata.extra["cpu"]
+            assert set(sps.host_cpu()) - {"family"} <= set(cpu) and cpu["isa"] and cpu["cores"] >= 1, name
+    # each table is the one chosen on the host it records
+    for name, meta in sps._packaged_tables():
+        assert sps.select_packaged_table("cpu", "cpu", cpu=meta["extra"]["cpu"]) == (name, None)
 
 
 def _packaged_default_table() -> bool:
