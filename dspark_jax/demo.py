@@ -14,9 +14,7 @@ import argparse
 import sys
 import time
 
-from dspark_jax.drafters import prior_confidence, resolve_drafter
-from dspark_jax.engine import Engine, EngineConfig, parse_policy
-from dspark_jax.models.llama import LlamaModel
+from dspark_jax.build import build_engine, cache_capacity, load_drafter_for, load_target
 from dspark_jax.serving import interleaved, mixed_prompts, shipped_prompts_dir, window_tokens
 from dspark_jax.sps import default_sps_table
 from dspark_jax.timing import device_info, format_table
@@ -33,14 +31,14 @@ def main(argv=None):
     p.add_argument("--skip-table", action="store_true")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    model = LlamaModel.from_gguf()
-    drafter, meta, temps, path = resolve_drafter("dspark", target_cfg=model.cfg)
-    prior = prior_confidence(path, EngineConfig.prior_confidence)
+    model = load_target(None)
+    loaded = load_drafter_for(model, "dspark")
+    drafter, path = loaded.drafter, loaded.path
     sps = default_sps_table()
     tok = model.tokenizer
     prompts = mixed_prompts(tok, shipped_prompts_dir(), max_prompt_tokens=256)
     G = drafter.cfg.block
-    capacity = -(-(256 + args.max_new_tokens + G + 1) // 128) * 128
+    capacity = cache_capacity(256, args.max_new_tokens, G)
     info = device_info()
     cpu = sps.metadata.extra.get("cpu") or {}
     measured_on = " ".join(x for x in (cpu.get("model_name") or cpu.get("vendor"), cpu.get("isa")) if x)
@@ -48,8 +46,7 @@ def main(argv=None):
           f"(G={G}, {drafter.cfg.head} head), SPS table up to B={sps.max_tokens} measured {sps.metadata.date} on "
           f"{measured_on or sps.metadata.device_kind}\n")
 
-    engine = Engine(model, drafter, "dspark", EngineConfig(num_slots=1, capacity=capacity, prior_confidence=prior),
-                    sts_temperatures=temps, sps=sps)
+    engine = build_engine(model, "dspark", draft=loaded, sps=sps, num_slots=1, capacity=capacity)
     seen = set()
     for domain, ids in prompts:
         if domain in seen:
@@ -76,12 +73,8 @@ def main(argv=None):
     ids_only = [ids for _, ids in prompts]
     policies = ("none", "fixed:1", "fixed:3", "fixed:7", "dspark")
     for n in args.concurrency:
-        engines = {}
-        for pol in policies:
-            policy = parse_policy(pol)
-            engines[pol] = Engine(model, drafter if policy.drafts else None, policy,
-                                  EngineConfig(num_slots=n, capacity=capacity, prior_confidence=prior),
-                                  sts_temperatures=temps, sps=sps)
+        engines = {pol: build_engine(model, pol, draft=loaded, sps=sps, num_slots=n, capacity=capacity)
+                   for pol in policies}
         results = interleaved(engines, ids_only, n, args.max_new_tokens, warmup_tokens=4 * n,
                               window_tokens=window_tokens(n, args.rounds, args.min_window_tokens),
                               repeats=args.repeats)

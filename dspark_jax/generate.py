@@ -18,10 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from dspark_jax.drafters import prior_confidence, resolve_drafter
-from dspark_jax.engine import Engine, EngineConfig, parse_policy
-from dspark_jax.models.gguf import MODEL_FILE
-from dspark_jax.models.llama import LlamaModel
+from dspark_jax.build import add_engine_arguments, engine_from_args, load_target
+from dspark_jax.engine import parse_policy
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
@@ -50,37 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="JSONL file of {\"turns\": [...]} lines (first turn used)")
     p.add_argument("--limit", type=int, help="use at most this many prompts from --prompts")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policy", default="dspark", help="none | fixed:K | threshold:C | dspark | dspark-async")
-    p.add_argument("--draft", default="dspark", help="dspark | dflash | a drafter folder (ignored by --policy none)")
-    p.add_argument("--sps", help="SPS table JSON (default: the shipped table measured on a 2-core CPU)")
+    add_engine_arguments(p)
     p.add_argument("--concurrency", "--num-slots", dest="concurrency", type=int,
                    help="requests decoded together (default: min(prompts, 16))")
     p.add_argument("--json", dest="json_out", help="write results and speed to this JSON file")
-    p.add_argument("--model", help="path to a Llama-family GGUF (default: SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--quiet", action="store_true", help="do not stream or print generated text")
     return p
-
-
-def build_engine(model, args, max_prompt: int) -> Engine:
-    """The engine for the command-line options (shared with the benchmark and the demo)."""
-    policy = parse_policy(args.policy)
-    drafter = temps = sps = None
-    prior = EngineConfig.prior_confidence
-    if policy.drafts:
-        drafter, _, temps, path = resolve_drafter(args.draft, target_cfg=model.cfg)
-        prior = prior_confidence(path, prior)
-    block = drafter.cfg.block if drafter is not None else 1
-    if policy.kind in ("dspark", "dspark-async"):
-        from dspark_jax.sps import default_sps_table, load_sps_table  # noqa: PLC0415
-
-        name = Path(args.model).name if args.model else MODEL_FILE
-        sps = load_sps_table(args.sps, model=name, block=block) if args.sps else default_sps_table(model=name)
-    capacity = -(-(max_prompt + args.max_new_tokens + block + 1) // 128) * 128
-    cfg = EngineConfig(num_slots=args.concurrency, capacity=capacity, temperature=args.temperature, seed=args.seed,
-                       prior_confidence=prior)
-    return Engine(model, drafter, policy, cfg, sts_temperatures=temps, sps=sps)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -97,10 +70,11 @@ def main(argv: list[str] | None = None) -> dict:
         parse_policy(args.policy)
     except ValueError as e:
         build_parser().error(str(e))
-    model = LlamaModel.from_gguf(args.model)
+    model = load_target(args.model, dtype=args.dtype)
     tok = model.tokenizer
     prompt_ids = [tok.encode_chat([p]) for p in prompts]
-    engine = build_engine(model, args, max(len(p) for p in prompt_ids))
+    engine = engine_from_args(args, model, num_slots=args.concurrency,
+                              max_prompt_tokens=max(len(p) for p in prompt_ids), max_new_tokens=args.max_new_tokens)
 
     if len(prompts) == 1 and not args.quiet:
         stream = tok.stream()

@@ -39,9 +39,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dspark_jax.drafters import prior_confidence, resolve_drafter
-from dspark_jax.engine import Engine, EngineConfig, parse_policy
-from dspark_jax.models.llama import LlamaModel
+from dspark_jax.build import build_engine, cache_capacity, load_drafter_for, load_target
+from dspark_jax.engine import parse_policy
 from dspark_jax.plots import plot_serving
 from dspark_jax.serving import (closed_loop, interleaved, mixed_prompts, pooled_ratio, scheduling_quality,
                                 window_tokens)
@@ -207,14 +206,12 @@ def main(argv=None):
     done = previous_rows(args) if args.resume else []
 
     t_start = time.perf_counter()
-    model = LlamaModel.from_gguf()
-    drafter, _, temps, path = resolve_drafter(args.draft, target_cfg=model.cfg)
-    prior = prior_confidence(path, EngineConfig.prior_confidence)
+    model = load_target(None)
+    loaded = load_drafter_for(model, args.draft)
     table = load_sps_table(args.sps, model=MODEL_NAME, block=7) if args.sps else default_sps_table()
     prompts = [ids for _, ids in mixed_prompts(model.tokenizer, args.prompts, max_prompt_tokens=args.max_prompt_tokens,
                                               seed=args.seed)]
-    G = drafter.cfg.block
-    capacity = -(-(args.max_prompt_tokens + args.max_new_tokens + G + 1) // 128) * 128
+    capacity = cache_capacity(args.max_prompt_tokens, args.max_new_tokens, loaded.drafter.cfg.block)
     info = device_info()
     rows, recorded = list(done), {}
 
@@ -227,8 +224,8 @@ def main(argv=None):
 
     def engine_for(policy_text, n, temp):
         policy = engine_policy(policy_text)
-        cfg = EngineConfig(num_slots=n, capacity=capacity, temperature=temp, seed=args.seed, prior_confidence=prior)
-        engine = Engine(model, drafter if policy.drafts else None, policy, cfg, sts_temperatures=temps, sps=table)
+        engine = build_engine(model, str(policy), draft=loaded, sps=table, num_slots=n, capacity=capacity,
+                              temperature=temp, seed=args.seed)
         engine.record_confidences = policy.drafts
         return engine
 

@@ -12,14 +12,13 @@ import pytest
 @pytest.mark.slow
 def test_demo_streams_answers_and_prints_the_table(target, tmp_path, monkeypatch, capsys):
     from dspark_jax import demo
-    from dspark_jax.drafters import resolve_drafter
+    from dspark_jax.build import load_drafter_for
     from tests.helpers import save_random_drafter, small_real_vocab_target
 
     small = small_real_vocab_target(target)
     drafter = save_random_drafter(small.cfg, tmp_path / "drafter", block=7)
-    monkeypatch.setattr(demo.LlamaModel, "from_gguf", classmethod(lambda cls, path=None: small))
-    monkeypatch.setattr(demo, "resolve_drafter",
-                        lambda spec, target_cfg=None: resolve_drafter(str(drafter), target_cfg=target_cfg))
+    monkeypatch.setattr(demo, "load_target", lambda model=None, dtype=None: small)
+    monkeypatch.setattr(demo, "load_drafter_for", lambda target, draft=None: load_drafter_for(target, drafter))
 
     demo.main(["--max-new-tokens", "6", "--concurrency", "1", "--rounds", "2", "--min-window-tokens", "4",
                "--repeats", "1"])

@@ -845,27 +845,3 @@ def test_table_host_speed_takes_the_recorded_reference(tiny_profile):
     speed.probe()
     assert speed.reference == speed.probes[0] > 0
 
-
-def test_bench_closed_gate_script(target, tmp_path, monkeypatch):
-    """The closed-gate benchmark end to end on a small random target with the real tokenizer (its plumbing is
-    under test, not the numbers): per row count a verify, gate and prefill measurement, with and without the
-    drafter, the ratio between them, the JSON written; bad arguments are refused by name."""
-    from profiling import bench_closed_gate
-    from tests.helpers import save_random_drafter, small_real_vocab_target
-
-    small = small_real_vocab_target(target)
-    monkeypatch.setattr(bench_closed_gate.LlamaModel, "from_gguf", classmethod(lambda cls, path=None: small))
-    save_random_drafter(small.cfg, tmp_path / "drafter", block=7)
-    out = tmp_path / "closed.json"
-    rows = bench_closed_gate.main(["--draft", str(tmp_path / "drafter"), "--rows", "2", "--pairs", "2",
-                                   "--prompt-tokens", "20", "--json", str(out)])
-    assert [(r["measure"], r["rows"]) for r in rows] == [("verify", 2), ("gate", 2), ("prefill", 2)]
-    for r in rows:
-        assert r["with_drafter_ms"] > 0
-        if r["measure"] != "gate":
-            assert r["without_ms"] > 0 and r["ratio"] == pytest.approx(r["with_drafter_ms"] / r["without_ms"])
-    assert json.loads(out.read_text())["rows"] == rows
-    with pytest.raises(SystemExit, match="--rows: expected integers >= 1"):
-        bench_closed_gate.main(["--rows", "0"])
-    with pytest.raises(SystemExit, match="--pairs: expected an integer >= 1"):
-        bench_closed_gate.main(["--pairs", "0"])

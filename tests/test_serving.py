@@ -57,7 +57,7 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
     from tests.helpers import save_random_drafter, small_real_vocab_target
 
     small = small_real_vocab_target(target)
-    monkeypatch.setattr(bench_serving.LlamaModel, "from_gguf", classmethod(lambda cls, path=None: small))
+    monkeypatch.setattr(bench_serving, "load_target", lambda model=None, dtype=None: small)
     save_random_drafter(small.cfg, tmp_path / "drafter", block=7)
     out = tmp_path / "serving.json"
     bench_serving.main([
@@ -121,12 +121,12 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "fig").glob("*.png"))
     assert report["complete"] is True
     # --recompute derives the same ratios from the windows the report recorded, and measures nothing
-    monkeypatch.setattr(bench_serving.LlamaModel, "from_gguf", None)
+    monkeypatch.setattr(bench_serving, "load_target", None)
     bench_serving.main(["--recompute", "--json", str(out), "--plots", str(tmp_path / "again")])
     assert json.loads(out.read_text())["rows"] == report["rows"]
     assert sorted(p.name for p in (tmp_path / "again").glob("*.png")) == sorted(
         p.name for p in (tmp_path / "fig").glob("*.png"))
-    monkeypatch.setattr(bench_serving.LlamaModel, "from_gguf", classmethod(lambda cls, path=None: small))
+    monkeypatch.setattr(bench_serving, "load_target", lambda model=None, dtype=None: small)
     with pytest.raises(ValueError, match="--recompute needs --json"):
         bench_serving.main(["--recompute"])
 

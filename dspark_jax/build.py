@@ -1,0 +1,182 @@
+"""The one way to build an engine: names or paths -> target, drafter, SPS table, `Engine`.
+
+Every command that runs the engine (`generate`, `demo`, the benchmarks, the server) and the tests build it here,
+so an option such as ``--model``, ``--draft`` or ``--dtype`` means the same everywhere:
+
+    target = load_target("path/to/model.gguf")                  # or a Hugging Face folder, or None (default)
+    engine = build_engine(target, policy="dspark", draft="dspark", num_slots=8,
+                          max_prompt_tokens=256, max_new_tokens=128)
+
+Command-line scripts add the shared options with `add_model_arguments` / `add_engine_arguments` and call
+`engine_from_args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.drafters import prior_confidence, resolve_drafter
+from dspark_jax.engine import Engine, EngineConfig, parse_policy
+from dspark_jax.models.drafter import Drafter
+from dspark_jax.models.llama import LlamaModel
+
+__all__ = ["DTYPES", "parse_dtype", "load_target", "LoadedDrafter", "load_drafter_for", "target_name",
+           "sps_table_for", "cache_capacity", "build_engine", "add_model_arguments", "add_engine_arguments",
+           "engine_from_args"]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def parse_dtype(name: str | None) -> Any:
+    """A weight dtype by name: ``float32``, ``bfloat16``, ``float16``, or ``auto``/None (bfloat16 on an
+    accelerator, float32 on CPU, where XLA's bfloat16 matrix products are slower than float32's).
+
+    >>> parse_dtype("bfloat16")
+    <class 'jax.numpy.bfloat16'>
+    """
+    if name in (None, "auto"):
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    try:
+        return DTYPES[str(name)]
+    except KeyError:
+        raise ValueError(f"--dtype {name!r}: expected one of auto, {', '.join(DTYPES)}") from None
+
+
+def target_name(model: str | Path | None) -> str:
+    """The name an SPS table records for a target: the GGUF file name or the Hugging Face folder name."""
+    from dspark_jax.models.gguf import MODEL_FILE  # noqa: PLC0415
+
+    return MODEL_FILE if model is None else Path(model).name
+
+
+def load_target(model: str | Path | None = None, *, dtype: Any = None) -> LlamaModel:
+    """Load a target model: None (the embedded default, SmolLM2-135M-Instruct's GGUF, fetched once), a GGUF
+    file, or a Hugging Face checkpoint folder (``config.json`` + ``*.safetensors`` + ``tokenizer.json``).
+
+    Args:
+      model: the path, or None.
+      dtype: a dtype or its name (`parse_dtype`); None: ``auto``.
+    Raises:
+      ValueError: naming the path and what was expected, before any weight is read.
+    """
+    dtype = parse_dtype(dtype) if dtype is None or isinstance(dtype, str) else dtype
+    if model is None:
+        return LlamaModel.from_gguf(None, dtype=dtype)
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--model {path}: a folder must be a Hugging Face checkpoint with config.json, "
+                             f"*.safetensors and tokenizer.json; config.json is missing")
+        from dspark_jax.models import hf  # noqa: PLC0415
+
+        return hf.load_hf_model(path, dtype=dtype)
+    if not path.is_file():
+        raise ValueError(f"--model {path}: no such file or folder (expected a GGUF file or a Hugging Face "
+                         f"checkpoint folder)")
+    return LlamaModel.from_gguf(path, dtype=dtype)
+
+
+@dataclasses.dataclass
+class LoadedDrafter:
+    """A drafter with what the engine needs beside it."""
+
+    drafter: Drafter
+    sts_temperatures: np.ndarray | None  # [G] or None
+    prior_confidence: float  # the first draft's acceptance on its calibration rounds (the gate's start)
+    path: Path
+
+
+def load_drafter_for(target: LlamaModel, draft: str | Path | None = "dspark") -> LoadedDrafter:
+    """A drafter by shipped name (``dspark``, ``dflash``) or folder, checked against the target."""
+    drafter, _, temps, path = resolve_drafter(None if draft is None else str(draft), target_cfg=target.cfg)
+    return LoadedDrafter(drafter, temps, prior_confidence(path, EngineConfig.prior_confidence), path)
+
+
+def sps_table_for(model_name: str, block: int, path: str | Path | None = None):
+    """The SPS table for a target and block: the file at `path`, else the packaged table chosen for this host."""
+    from dspark_jax.sps import default_sps_table, load_sps_table  # noqa: PLC0415
+
+    if path is not None:
+        return load_sps_table(path, model=model_name, block=block)
+    return default_sps_table(model=model_name)
+
+
+def cache_capacity(max_prompt_tokens: int, max_new_tokens: int, block: int, step: int = 128) -> int:
+    """Cache positions per slot for a prompt, its answer and one verification block, rounded up to `step`.
+
+    >>> cache_capacity(256, 128, 7)
+    512
+    """
+    return -(-(int(max_prompt_tokens) + int(max_new_tokens) + int(block) + 1) // step) * step
+
+
+def build_engine(target: LlamaModel, policy: str = "dspark", *, draft: str | Path | LoadedDrafter | None = "dspark",
+                 sps: Any = None, num_slots: int = 16, max_prompt_tokens: int = 256, max_new_tokens: int = 256,
+                 capacity: int | None = None, temperature: float = 0.0, seed: int = 0,
+                 model_name: str | None = None, **config: Any) -> Engine:
+    """An engine for a loaded target.
+
+    Args:
+      target: the target (`load_target`).
+      policy: ``none``, ``fixed:K``, ``threshold:C``, ``dspark`` or ``dspark-async``.
+      draft: a shipped drafter name, a folder, or a `LoadedDrafter` (ignored by ``none``).
+      sps: for the dspark policies, an `SPSTable`, a path to one, or None (the packaged table for this host).
+      num_slots: requests decoded together.
+      max_prompt_tokens, max_new_tokens: size the cache (unless `capacity` is given).
+      temperature, seed: sampling (0: greedy).
+      model_name: the name SPS tables record for the target (default: SmolLM2's GGUF file name).
+      **config: any other `EngineConfig` field.
+    """
+    pol = parse_policy(policy)
+    loaded = None
+    if pol.drafts:
+        loaded = draft if isinstance(draft, LoadedDrafter) else load_drafter_for(target, draft)
+    block = loaded.drafter.cfg.block if loaded is not None else 1
+    table = None
+    if pol.kind in ("dspark", "dspark-async"):
+        from dspark_jax.sps import SPSTable  # noqa: PLC0415
+
+        name = model_name or target_name(None)
+        table = sps if isinstance(sps, SPSTable) else sps_table_for(name, block, sps)
+    if capacity is None:
+        capacity = cache_capacity(max_prompt_tokens, max_new_tokens, block)
+    if loaded is not None:
+        config.setdefault("prior_confidence", loaded.prior_confidence)
+    cfg = EngineConfig(num_slots=int(num_slots), capacity=int(capacity), temperature=float(temperature),
+                       seed=int(seed), **config)
+    return Engine(target, loaded.drafter if loaded is not None else None, pol, cfg,
+                  sts_temperatures=loaded.sts_temperatures if loaded is not None else None, sps=table)
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
+    """``--model``, ``--dtype`` (and ``--draft``): the options of every command that loads a model."""
+    p.add_argument("--model", help="a GGUF file or a Hugging Face checkpoint folder (default: the embedded "
+                                   "SmolLM2-135M-Instruct GGUF, fetched once)")
+    p.add_argument("--dtype", default="auto", help="weights: auto (bfloat16 on an accelerator, float32 on CPU), "
+                                                   f"{', '.join(DTYPES)}")
+    if draft:
+        p.add_argument("--draft", default="dspark", help="dspark | dflash | a drafter folder")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, *, policy: str = "dspark") -> None:
+    """The model options plus ``--policy``, ``--sps``, ``--temperature``, ``--seed``."""
+    add_model_arguments(p)
+    p.add_argument("--policy", default=policy, help="none | fixed:K | threshold:C | dspark | dspark-async")
+    p.add_argument("--sps", help="SPS table JSON (default: the packaged table chosen for this host)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_from_args(args: argparse.Namespace, target: LlamaModel, *, num_slots: int, max_prompt_tokens: int,
+                     max_new_tokens: int, **config: Any) -> Engine:
+    """`build_engine` with the options `add_engine_arguments` declared."""
+    return build_engine(target, args.policy, draft=args.draft, sps=args.sps, num_slots=num_slots,
+                        max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
+                        temperature=args.temperature, seed=args.seed, model_name=target_name(args.model), **config)
