@@ -68,15 +68,32 @@ def load_prompts(paths: Sequence[str | os.PathLike], limit: int | None = None) -
                     break
                 if not line.strip():
                     continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{f}:{n + 1}: not valid JSON ({e})") from None
-                turns = obj.get("turns") if isinstance(obj, dict) else None
-                if not turns or not all(isinstance(t, str) for t in turns):
-                    raise ValueError(f"{f}:{n + 1}: expected {{\"turns\": [\"...\", ...]}}, got {line[:80]!r}")
-                out.append(Prompt(len(out), f.stem, tuple(turns)))
+                out.append(Prompt(len(out), f.stem, parse_turns(line, f"{f}:{n + 1}")))
     return out
+
+
+def parse_turns(line: str, where: str = "prompt") -> tuple[str, ...]:
+    """The user turns of one prompts-file line, ``{"turns": ["first turn", ...]}``.
+
+    Raises:
+      ValueError: naming `where` (file:line) and what was expected.
+
+    >>> parse_turns('{"turns": ["Hi", "And then?"]}')
+    ('Hi', 'And then?')
+    >>> parse_turns('{"turns": "not a list"}', "p.jsonl:3")
+    Traceback (most recent call last):
+    ...
+    ValueError: p.jsonl:3: expected {"turns": ["...", ...]} (a non-empty list of strings), got '{"turns": "not a list"}'
+    """
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from None
+    turns = obj.get("turns") if isinstance(obj, dict) else None
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise ValueError(f"{where}: expected {{\"turns\": [\"...\", ...]}} (a non-empty list of strings), "
+                         f"got {line.strip()[:80]!r}")
+    return tuple(turns)
 
 
 # ------------------------------------------------------------------------------------------ stage 1

@@ -174,10 +174,16 @@ def check_writable(path: str | os.PathLike) -> Path:
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise ValueError(f"cannot write {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"cannot write {path}: folder {folder} is not writable")
     if path.is_dir():
         raise ValueError(f"cannot write {path}: it is a folder")
+    # A real probe: os.access says yes to root on a read-only file system, and a long job would then fail
+    # at its first save.
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
+    except OSError as e:
+        raise ValueError(f"cannot write {path}: folder {folder} is not writable ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
     return path
 
 
@@ -757,6 +763,14 @@ class SPSTable:
 
     ``cost_model`` (optional) is the grid the points were derived from, see :class:`CostModel`; tables
     written before it existed load with ``cost_model=None``.
+
+    Timings measured in one's own engine become a table with :meth:`from_arrays` (steps per second of the
+    target at each verified batch size); :meth:`to_dense` gives the scheduler's float32 [N] array
+    (``sps[b]`` for a batch of ``b`` tokens, linear in step time between the points):
+
+    >>> table = SPSTable.from_arrays(batch_tokens=[1, 8, 16], steps_per_s=[100.0, 80.0, 40.0])
+    >>> table.to_dense().shape, round(float(table.to_dense()[8]), 1)
+    ((17,), 80.0)
     """
 
     points: tuple[SPSPoint, ...]
@@ -976,7 +990,13 @@ def load_sps_table(path: str | os.PathLike, *, model: str | None = None, dtype: 
                    block: int | None = None) -> SPSTable:
     """Load a table and warn (``UserWarning``, :meth:`SPSTable.check_compatible`) where its metadata does
     not match what it is about to be used with; ``None`` skips a check. Never silently mixes: the
-    warnings name both values."""
+    warnings name both values.
+
+    >>> load_sps_table("no/such/table.json")
+    Traceback (most recent call last):
+    ...
+    ValueError: ...no/such/table.json...
+    """
     table = SPSTable.load(path)
     table.check_compatible(model=model, dtype=dtype, backend=backend, device_kind=device_kind, block=block)
     return table
