@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.sps import atomic_write_text
+from dspark_jax.io import atomic_write_text
 
 __all__ = ["STS_GRID", "ece", "brier", "auroc", "reliability_bins", "apply_sts", "survival_from_logits",
            "fit_sts", "events", "calibration_report", "save_temperatures", "load_temperatures"]

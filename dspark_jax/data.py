@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from dspark_jax.sps import atomic_write_text
+from dspark_jax.io import atomic_write_text
 
 BF16 = ml_dtypes.bfloat16
 
@@ -138,11 +138,6 @@ def generate_responses(model, prompts: Sequence[Prompt], out_dir: str | os.PathL
         bar.update(len(chunk))
     bar.close()
     return files
-
-
-def load_sequences(data_dir: str | os.PathLike) -> list[dict]:
-    """The generated (non-skipped) records of all chunk files, ordered by prompt index."""
-    return sorted((r for chunk in load_chunks(data_dir).values() for r in chunk), key=lambda r: r["index"])
 
 
 def load_chunks(data_dir: str | os.PathLike) -> dict[str, list[dict]]:

@@ -79,7 +79,7 @@ def test_schedule_contract_inside_jit_nan_and_out_of_range():
 
 def test_out_folder_is_probed_for_writing():
     """A folder root may not write to (a read-only file system) is refused before the work starts."""
-    from dspark_jax.sps import check_writable
+    from dspark_jax.io import check_writable
 
     with pytest.raises(ValueError, match=r"cannot write /proc/table\.json: folder /proc is not writable"):
         check_writable("/proc/table.json")
