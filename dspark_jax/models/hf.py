@@ -34,13 +34,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from dspark_jax.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights, RopeScaling
 
-__all__ = ["HFCheckpointError", "ARCHITECTURES", "read_hf_config", "check_hf_checkpoint", "hf_config_dict", "load_hf_model",
-           "save_hf", "main"]
+__all__ = ["HFCheckpointError", "ARCHITECTURES", "read_hf_config", "check_hf_checkpoint", "hf_config_dict",
+           "load_hf_model", "save_hf", "main"]
 
 # architecture -> (model_type, q/k norm, q/k/v bias)
 ARCHITECTURES = {
@@ -92,7 +91,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
-    """RoPE base and scaling from transformers 5's ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``."""
+    """RoPE base and scaling, from transformers 5's ``rope_parameters`` or the older ``rope_theta`` and
+    ``rope_scaling``."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and params:
         theta, scaling = params.get("rope_theta", raw.get("rope_theta", 10000.0)), params
