@@ -263,6 +263,28 @@ def test_template_errors_and_sandbox():
     assert render_chat_template("{{ messages[0] | tojson }}", ["<é>"]) == '{"role": "user", "content": "<é>"}'
 
 
+def test_gguf_tokenizer_renders_any_stored_template():
+    """A GGUF whose stored template is not ChatML (a Llama 3 GGUF) renders it with the same jinja path."""
+    from dspark_jax.tokenizer import Tokenizer as GGUFTokenizer
+
+    tokens = [*SPECIALS, "h", "i"]
+    tok = GGUFTokenizer(tokens, [], [3] * len(SPECIALS) + [1, 1], bos_id=0, eos_id=4, chat_template=LLAMA3_TEMPLATE)
+    text = tok.apply_chat_template(["hi"])
+    assert text == render_chat_template(LLAMA3_TEMPLATE, ["hi"], special_tokens={"bos_token": "<|begin_of_text|>",
+                                                                                 "eos_token": "<|eot_id|>"})
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system") and tok.default_system is None
+    assert tok.encode_chat(["hi"])[:2] == [0, 2]  # the special tokens the template wrote
+
+
+def test_chat_template_doctests():
+    import doctest
+
+    from dspark_jax import chat_template
+
+    result = doctest.testmod(chat_template)
+    assert result.failed == 0 and result.attempted > 0
+
+
 def test_dtype_option(folders):
     path, _, _ = folders["qwen3"]
     model = load_target(path, dtype="bfloat16")
