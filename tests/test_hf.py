@@ -380,6 +380,35 @@ def test_sharded_checkpoint_loads(folders, tmp_path):
     np.testing.assert_array_equal(np.asarray(a.weights.lm_head), np.asarray(b.weights.lm_head))
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_save_hf_round_trip_and_transformers_reads_it(folders, tmp_path, name, monkeypatch):
+    """Random weights written by the exporter (through its command line) load back bit for bit, and transformers
+    reads the folder as the same model (the fixtures' configs: Llama 3 RoPE scaling, Qwen3's q/k norms)."""
+    import jax
+
+    from dspark_jax.models import hf
+    from dspark_jax.models.llama import LlamaModel
+
+    base = load_hf_model(folders[name][0])
+    rng = np.random.default_rng(3)  # other weights of the same shapes (numpy: nothing to compile)
+    weights = jax.tree.map(lambda x: jnp.asarray(rng.normal(0.0, 0.3, x.shape).astype(np.float32)), base.weights)
+    cfg = base.cfg
+    model = LlamaModel(cfg, weights, HFTokenizer.from_folder(folders["qwen3"][0]))
+    monkeypatch.setattr(hf.LlamaModel, "from_gguf", lambda path, dtype: model)
+    hf.main(["--from-gguf", "unused.gguf", "--out", str(tmp_path / "out")])
+    back = load_hf_model(tmp_path / "out")
+    assert back.cfg == cfg
+    for a, b in zip(jax.tree.leaves(model.weights), jax.tree.leaves(back.weights)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert back.tokenizer.stop_ids == model.tokenizer.stop_ids
+    assert back.tokenizer.chat_template == model.tokenizer.chat_template
+    ref = type(folders[name][1]).from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    ids = list(np.random.default_rng(1).integers(0, COMMON["vocab_size"], 80))  # the logits test's shapes
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(np.asarray(back.score(ids)), theirs, rtol=0, atol=2e-4 * np.abs(theirs).max())
+
+
 # ----------------------------------------------------------------------------------------------------
 # The real SmolLM2, GGUF -> Hugging Face folder
 
