@@ -431,3 +431,21 @@ def test_smollm2_exported_folder_decodes_as_the_gguf(target, tmp_path):
     out = [build_engine(m, "none", num_slots=1, max_prompt_tokens=len(ids), max_new_tokens=12).run([ids], 12)[0]
            for m in (target, model)]
     assert out[0].output_ids == out[1].output_ids and len(out[0].output_ids) > 0
+
+
+def test_gguf_rope_scaling_is_read_or_refused():
+    """GGUF metadata: linear scaling is read; Llama 3.1's rope_freqs tensor and YaRN are refused, not ignored."""
+    from types import SimpleNamespace
+
+    from dspark_jax.models.gguf import GGUFError, read_rope_scaling
+
+    def reader(**fields):
+        return SimpleNamespace(fields={k: SimpleNamespace(contents=lambda v=v: v) for k, v in fields.items()})
+
+    assert read_rope_scaling(reader(), {}) is None
+    assert read_rope_scaling(reader(**{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}),
+                             {}) == RopeScaling("linear", 4.0)
+    with pytest.raises(GGUFError, match="rope_freqs.weight"):
+        read_rope_scaling(reader(), {"rope_freqs.weight": [32]})
+    with pytest.raises(GGUFError, match="scaling.type='yarn'"):
+        read_rope_scaling(reader(**{"llama.rope.scaling.type": "yarn"}), {})
