@@ -204,6 +204,7 @@ def test_greedy_generation_matches_transformers(folders, tmp_path, name):
                             pad_token_id=0)[0, len(prompt):].tolist()
     stop = free[12]  # make the 13th generated token's id a stop id
     stop_at = free.index(stop)
+    assert stop_at >= 6 and len(set(free[:stop_at])) >= 3  # a real continuation, not one token repeated
     folder = tmp_path / name
     shutil.copytree(path, folder)
     tok_eos = HFTokenizer.from_folder(path).eos_id
