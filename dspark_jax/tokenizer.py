@@ -268,7 +268,8 @@ class HFTokenizer:
     @classmethod
     def from_folder(cls, folder: str | Path) -> "HFTokenizer":
         """Read ``tokenizer.json``, ``tokenizer_config.json`` (special tokens, ``add_bos_token``, the chat template,
-        or ``chat_template.jinja`` beside it) and ``generation_config.json`` (stop ids) of a checkpoint folder.
+        or ``chat_template.jinja`` beside it) and ``generation_config.json`` (stop ids; without that file,
+        ``config.json``'s ``eos_token_id``) of a checkpoint folder.
 
         Raises:
           ValueError: naming the file and field that is missing or wrong.
@@ -285,7 +286,10 @@ class HFTokenizer:
         cfg_path = folder / "tokenizer_config.json"
         cfg = _read_json(cfg_path)
         special_map = _read_json(folder / "special_tokens_map.json")  # legacy file: fills what the config lacks
-        gen = _read_json(folder / "generation_config.json")
+        gen_path = folder / "generation_config.json"
+        if not gen_path.is_file():  # as transformers does: the generation defaults then come from config.json
+            gen_path = folder / "config.json"
+        gen = _read_json(gen_path)
 
         def special(name: str) -> str | None:
             try:
@@ -307,8 +311,7 @@ class HFTokenizer:
         stops = gen.get("eos_token_id", [])
         stops = [stops] if isinstance(stops, int) else stops
         if not isinstance(stops, list) or not all(isinstance(i, int) for i in stops):
-            raise ValueError(f"{folder / 'generation_config.json'}: field 'eos_token_id' must be an int or a list of "
-                             f"ints; got {stops!r}")
+            raise ValueError(f"{gen_path}: field 'eos_token_id' must be an int or a list of ints; got {stops!r}")
         return cls(backend, eos_token=special("eos_token"), bos_token=special("bos_token"),
                    pad_token=special("pad_token"), unk_token=special("unk_token"), chat_template=template,
                    add_bos=bool(cfg.get("add_bos_token", False)), add_eos=bool(cfg.get("add_eos_token", False)),

@@ -286,6 +286,16 @@ def test_chat_template_doctests():
     assert result.failed == 0 and result.attempted > 0
 
 
+def test_stop_ids_from_config_without_generation_config(bad):
+    (bad / "generation_config.json").unlink()
+    _edit_config(bad, eos_token_id=[7, 9])
+    tok = HFTokenizer.from_folder(bad)
+    assert tok.stop_ids == (tok.eos_id, 7, 9)
+    _edit_config(bad, eos_token_id="</s>")
+    with pytest.raises(ValueError, match=r"config.json: field 'eos_token_id' must be an int or a list of ints"):
+        HFTokenizer.from_folder(bad)
+
+
 def test_dtype_option(folders):
     path, _, _ = folders["qwen3"]
     model = load_target(path, dtype="bfloat16")
