@@ -28,6 +28,8 @@ from dspark_jax.chat_template import as_messages, render_chat_template
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+# Ids that also end a turn (Llama 3: <|eot_id|>, <|eom_id|>), besides tokenizer.ggml.eos_token_id.
+_STOP_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 _CHATML_SYSTEM = re.compile(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", re.S)
 
 
@@ -50,13 +52,15 @@ class Tokenizer:
     Attributes:
       eos_id: end of a turn (`<|im_end|>` for SmolLM2), where generation stops.
       bos_id, pad_id: from the metadata (None when absent).
-      stop_ids: token ids that end generation.
+      stop_ids: token ids that end generation: eos_id, and the end-of-turn ids the file names
+        (tokenizer.ggml.eot_token_id, eom_token_id).
       vocab_size: number of token ids.
     """
 
     def __init__(self, tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int] | None = None,
                  *, bos_id: int | None = None, eos_id: int, pad_id: int | None = None, pre: str | None = None,
-                 chat_template: str | None = None, add_bos: bool = False, add_eos: bool = False):
+                 chat_template: str | None = None, add_bos: bool = False, add_eos: bool = False,
+                 extra_stop_ids: Sequence[int] = ()):
         vocab = {tok: i for i, tok in enumerate(tokens)}
         pairs = [tuple(m.split(" ")) for m in merges]
         bad = [m for m, p in zip(merges, pairs) if len(p) != 2]
@@ -73,7 +77,7 @@ class Tokenizer:
         self.tokens = list(tokens)
         self.vocab_size = len(tokens)
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
-        self.stop_ids = (eos_id,)
+        self.stop_ids = tuple(dict.fromkeys([eos_id, *(int(i) for i in extra_stop_ids)]))
         self.add_bos, self.add_eos = add_bos, add_eos
         self.chat_template = chat_template
         self.default_system = self._default_system(chat_template)
@@ -102,7 +106,8 @@ class Tokenizer:
                    pad_id=meta.get("tokenizer.ggml.padding_token_id"), pre=meta.get("tokenizer.ggml.pre"),
                    chat_template=meta.get("tokenizer.chat_template"),
                    add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-                   add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+                   add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+                   extra_stop_ids=[meta[k] for k in _STOP_KEYS if meta.get(k) is not None])
 
     @classmethod
     def from_gguf(cls, path) -> "Tokenizer":

@@ -460,3 +460,12 @@ def test_gguf_rope_scaling_is_read_or_refused():
         read_rope_scaling(reader(), {"rope_freqs.weight": [32]})
     with pytest.raises(GGUFError, match="scaling.type='yarn'"):
         read_rope_scaling(reader(**{"llama.rope.scaling.type": "yarn"}), {})
+
+
+def test_gguf_end_of_turn_ids_stop_generation():
+    from dspark_jax.tokenizer import Tokenizer as GGUFTokenizer
+
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "<|end_of_text|>", "<|eot_id|>"],
+            "tokenizer.ggml.merges": [], "tokenizer.ggml.eos_token_id": 1}
+    assert GGUFTokenizer.from_metadata(meta).stop_ids == (1,)
+    assert GGUFTokenizer.from_metadata({**meta, "tokenizer.ggml.eot_token_id": 2}).stop_ids == (1, 2)
