@@ -1,6 +1,6 @@
 """End-to-end demo of the default set-up: the target, the shipped DSpark drafter and SPS table.
 
-    python -m dspark_jax.demo
+    python -m dspark_jax.demo [--model GGUF|HF_FOLDER --draft DRAFTER] [--dtype auto]
 
 1. Answers a few prompts (math, code, chat) with streaming output, speculative decoding with the `dspark`
    policy, and prints the speed and accepted length of each.
@@ -14,7 +14,8 @@ import argparse
 import sys
 import time
 
-from dspark_jax.build import build_engine, cache_capacity, load_drafter_for, load_target
+from dspark_jax.build import (add_model_arguments, build_engine, cache_capacity, load_drafter_for, load_target,
+                              target_name)
 from dspark_jax.serving import interleaved, mixed_prompts, shipped_prompts_dir, window_tokens
 from dspark_jax.sps import default_sps_table
 from dspark_jax.timing import device_info, format_table
@@ -29,12 +30,13 @@ def main(argv=None):
     p.add_argument("--min-window-tokens", type=int, default=32, help="at least this many tokens per window")
     p.add_argument("--repeats", type=int, default=2, help="windows per policy, the policies taking turns")
     p.add_argument("--skip-table", action="store_true")
+    add_model_arguments(p)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    model = load_target(None)
-    loaded = load_drafter_for(model, "dspark")
+    model = load_target(args.model, dtype=args.dtype)
+    loaded = load_drafter_for(model, args.draft)
     drafter, path = loaded.drafter, loaded.path
-    sps = default_sps_table()
+    sps = default_sps_table(model=target_name(args.model))
     tok = model.tokenizer
     prompts = mixed_prompts(tok, shipped_prompts_dir(), max_prompt_tokens=256)
     G = drafter.cfg.block
@@ -42,7 +44,7 @@ def main(argv=None):
     info = device_info()
     cpu = sps.metadata.extra.get("cpu") or {}
     measured_on = " ".join(x for x in (cpu.get("model_name") or cpu.get("vendor"), cpu.get("isa")) if x)
-    print(f"target SmolLM2-135M-Instruct ({info['backend']}, {info['host']}), drafter {path.name} "
+    print(f"target {target_name(args.model)} ({info['backend']}, {info['host']}), drafter {path.name} "
           f"(G={G}, {drafter.cfg.head} head), SPS table up to B={sps.max_tokens} measured {sps.metadata.date} on "
           f"{measured_on or sps.metadata.device_kind}\n")
 

@@ -39,7 +39,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dspark_jax.build import build_engine, cache_capacity, load_drafter_for, load_target
+from dspark_jax.build import (add_model_arguments, build_engine, cache_capacity, load_drafter_for, load_target,
+                              target_name)
 from dspark_jax.engine import parse_policy
 from dspark_jax.plots import plot_serving
 from dspark_jax.serving import (closed_loop, interleaved, mixed_prompts, pooled_ratio, scheduling_quality,
@@ -48,7 +49,6 @@ from dspark_jax.sps import default_sps_table, load_sps_table
 from dspark_jax.timing import device_info, format_table, write_json
 
 FIXED = ("fixed:1", "fixed:3", "fixed:7")
-MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # A second `none` engine (--control): its ratio to `none` is what the benchmark measures for two identical
 # engines, the noise floor of every ratio at that point.
 CONTROL = "none-control"
@@ -62,7 +62,7 @@ def engine_policy(text: str):
 # What a resumed run must share with the interrupted one for their rows to belong to one measurement.
 _SAME = ("concurrency", "temperatures", "policies", "thresholds", "threshold_sweep_at", "max_new_tokens",
          "max_prompt_tokens", "warmup_rounds", "rounds", "repeats", "min_window_tokens", "draft", "sps", "prompts",
-         "seed", "sequential", "quick")
+         "seed", "sequential", "quick", "model")
 
 
 def settings(args) -> dict:
@@ -169,7 +169,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="measurement windows per point")
     p.add_argument("--min-window-tokens", type=int, default=96,
                    help="at least this many tokens per window (low concurrency)")
-    p.add_argument("--draft", default="dspark")
+    add_model_arguments(p)
     p.add_argument("--sps", help="SPS table JSON (default: the shipped CPU table)")
     p.add_argument("--prompts", help="folder of JSONL prompts (default: ../shared/data/prompts/dev or shipped)")
     p.add_argument("--seed", type=int, default=0)
@@ -206,9 +206,10 @@ def main(argv=None):
     done = previous_rows(args) if args.resume else []
 
     t_start = time.perf_counter()
-    model = load_target(None)
+    model = load_target(args.model, dtype=args.dtype)
     loaded = load_drafter_for(model, args.draft)
-    table = load_sps_table(args.sps, model=MODEL_NAME, block=7) if args.sps else default_sps_table()
+    name = target_name(args.model)
+    table = load_sps_table(args.sps, model=name, block=7) if args.sps else default_sps_table(model=name)
     prompts = [ids for _, ids in mixed_prompts(model.tokenizer, args.prompts, max_prompt_tokens=args.max_prompt_tokens,
                                               seed=args.seed)]
     capacity = cache_capacity(args.max_prompt_tokens, args.max_new_tokens, loaded.drafter.cfg.block)

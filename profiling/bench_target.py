@@ -1,6 +1,6 @@
 """Target model speed: plain decode tokens/s against concurrent slots, packed-verification step time against T.
 
-    python -m profiling.bench_target [--quick] [--json out.json] [--model PATH]
+    python -m profiling.bench_target [--quick] [--json out.json] [--model GGUF|HF_FOLDER] [--dtype auto]
 
 Every slot holds `--context` committed tokens (one real prompt's K/V, copied to all slots). Decode: one token
 per slot per step. Verification: T tokens spread round-robin over 16 slots, with the per-token cache gather
@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.models.llama import LlamaModel, bucket_for, decode_step, forward_packed
 from dspark_jax.timing import device_info, format_table, time_call, write_json
 
@@ -77,11 +78,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer repeats, grid mode only (< 1 min on 2 cores)")
     p.add_argument("--json", help="write the rows and the device description here")
-    p.add_argument("--model", help="GGUF path (default: the cached SmolLM2-135M-Instruct)")
+    add_model_arguments(p, draft=False)
     p.add_argument("--context", type=int, default=256, help="committed tokens per slot")
     args = p.parse_args(argv)
 
-    model = LlamaModel.from_gguf(args.model)
+    model = load_target(args.model, dtype=args.dtype)
     repeats = 3 if args.quick else 7
     modes = ("grid",) if args.quick else ("per_token", "grid")
     decode = bench_decode(model, (1, 4, 16), args.context, repeats)

@@ -1,7 +1,7 @@
 """Profile an SPS table with a cost model: the target's packed verification and the drafter's block.
 
     python -m profiling.profile_sps [--quick] [--out TABLE.json] [--max-tokens 512]
-        [--context-lengths 128 512 1024] [--repeats 5] [--model GGUF | --tiny] [--backend gpu]
+        [--context-lengths 128 512 1024] [--repeats 5] [--model GGUF|HF_FOLDER | --tiny] [--dtype auto] [--backend gpu]
 
 Runs on the backend JAX selects (CPU, GPU or TPU); `--backend` insists on one. Writes the table (JSON,
 atomically) and a PNG beside it, and prints the curves. `--quick` measures one context and four buckets up
@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from dspark_jax import profiling
+from dspark_jax import build, profiling
 from dspark_jax.plots import plot_sps
 from dspark_jax.io import check_writable
 from dspark_jax.timing import format_table
@@ -45,10 +45,14 @@ def parse_args(argv=None):
     p.add_argument("--window-rule", choices=("pow2", "step"), default="step",
                    help="attention windows: multiples of 128 (the engine default) or powers of two from 128")
     p.add_argument("--no-drafter", action="store_true", help="record no draft cost")
+    p.add_argument("--draft", help="time this drafter (dspark, dflash or a folder; its block replaces --block); "
+                                   "default: a random drafter of the shipped shape")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", type=Path, help="GGUF path (default: the cached SmolLM2-135M-Instruct)")
+    src.add_argument("--model", help="a GGUF file or a Hugging Face checkpoint folder (default: the embedded "
+                                     "SmolLM2-135M-Instruct GGUF)")
     src.add_argument("--tiny", action="store_true", help="a random tiny model (tests)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="target weights")
+    p.add_argument("--dtype", choices=("auto", *build.DTYPES), default="auto",
+                   help="target weights (auto: bfloat16 on an accelerator, float32 on CPU)")
     p.add_argument("--backend", help="insist on a backend (cpu, gpu, tpu); default: JAX's choice")
     p.add_argument("--markdown", action="store_true", help="also print the curves as a Markdown table (README)")
     p.add_argument("--no-overhead", action="store_true",
@@ -95,17 +99,14 @@ def markdown(table) -> str:
 
 
 def load_target(args):
-    from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
+    from dspark_jax.models.llama import LlamaConfig, init_random_weights
 
-    dtype = jnp.dtype(args.dtype)
+    dtype = jnp.dtype(build.parse_dtype(args.dtype))
     if args.tiny:
         cfg = LlamaConfig.tiny()
         return cfg, init_random_weights(cfg, jax.random.key(0), dtype), "tiny-random"
-    from dspark_jax.models.gguf import default_model_path
-
-    path = default_model_path() if args.model is None else args.model
-    model = LlamaModel.from_gguf(path, dtype=dtype)
-    return model.cfg, model.weights, profiling.model_label(path)
+    model = build.load_target(args.model, dtype=dtype)
+    return model.cfg, model.weights, build.target_name(args.model)
 
 
 def overhead_lines(cm) -> list[str]:
@@ -121,12 +122,13 @@ def overhead_lines(cm) -> list[str]:
     return lines
 
 
-def with_overhead(table, weights, cfg, rows=None, host_speed=True):
-    """``table`` with the engine-round overhead measured (a random drafter of the shipped shape) at ``rows``
-    (default: every row count of its cost model), at the table's host speed unless ``host_speed`` is False."""
+def with_overhead(table, weights, cfg, rows=None, host_speed=True, drafter=None):
+    """``table`` with the engine-round overhead measured (with ``drafter``, default a random drafter of the shipped
+    shape) at ``rows`` (default: every row count of its cost model), at the table's host speed unless
+    ``host_speed`` is False."""
     from dspark_jax.models.llama import LlamaModel
 
-    drafter = profiling.random_drafter(cfg, block=table.cost_model.block)
+    drafter = drafter or profiling.random_drafter(cfg, block=table.cost_model.block)
     return profiling.add_round_overhead(table, LlamaModel(cfg, weights), drafter, progress=True, rows=rows,
                                         host_speed=host_speed)
 
@@ -182,11 +184,18 @@ def main(argv=None):
             for c, L in enumerate(cm.context_lengths)])
 
     cfg, weights, name = load_target(args)
-    print(f"profiling {name} ({args.dtype}) on {device.platform} ({device.device_kind}): B up to {buckets[-1]}, "
+    drafter, block = None, args.block
+    if args.draft is not None and not args.no_drafter:
+        from dspark_jax.models.llama import LlamaModel
+
+        drafter = build.load_drafter_for(LlamaModel(cfg, weights), args.draft).drafter
+        block = drafter.cfg.block
+    print(f"profiling {name} ({jnp.dtype(weights.embed.dtype).name}) on {device.platform} ({device.device_kind}): "
+          f"B up to {buckets[-1]}, "
           f"contexts {list(contexts)}, {repeats} repeats, {'diagonal' if args.quick else 'all'} cells")
     table = profiling.profile_sps_table(
         weights, cfg, model=name, context_lengths=contexts,
-        reference_context=args.reference_context, rows=args.rows, diagonal=args.quick, block=args.block,
+        reference_context=args.reference_context, rows=args.rows, diagonal=args.quick, block=block, drafter=drafter,
         window_rule=args.window_rule, with_drafter=not args.no_drafter, round_overhead=False,
         host_speed=not args.no_host_speed,
         repeats=repeats, max_seconds=args.max_seconds, device=device,
@@ -203,7 +212,7 @@ def main(argv=None):
         rows = table.cost_model.rows[:1] if args.quick else None
         with jax.default_device(device):
             table = with_overhead(table, jax.device_put(weights, device), cfg, rows=rows,
-                                  host_speed=not args.no_host_speed)
+                                  host_speed=not args.no_host_speed, drafter=drafter)
         table.save(out)
     print(format_table(curve_rows(table),
                        ["L", "B", "R", "verify_ms", "draft_ms", "overhead_ms", "round_ms", "rounds_per_s",

@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import argparse
 
+from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.data import build_target_cache, load_chunks
-from dspark_jax.models.llama import LlamaModel
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="runs/data/responses")
     p.add_argument("--out", default="runs/data/cache")
-    p.add_argument("--model", default=None)
+    add_model_arguments(p, draft=False)
     args = p.parse_args(argv)
     chunks = load_chunks(args.data)
-    model = LlamaModel.from_gguf(args.model)
+    model = load_target(args.model, dtype=args.dtype)
     build_target_cache(model, chunks, args.out)
     print(f"{sum(len(c) for c in chunks.values())} sequences in {len(chunks)} shards cached in {args.out}")
 

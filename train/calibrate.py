@@ -12,16 +12,17 @@ import json
 from pathlib import Path
 
 from dspark_jax import calibration
+from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.data import load_prompts
 from dspark_jax.drafters import resolve_drafter
 from dspark_jax.evaluation import evaluate_rounds, fixed_block_rounds, pooled, split_half
-from dspark_jax.models.llama import LlamaModel
 from dspark_jax.plots import plot_reliability
 from dspark_jax.timing import write_json
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p, draft=False)
     p.add_argument("--draft", required=True, help="drafter folder (sts.json is written into it)")
     p.add_argument("--prompts", nargs="+", default=["../shared/data/prompts/dev"])
     p.add_argument("--limit", type=int, default=24, help="prompts per file from the calibration half")
@@ -31,7 +32,7 @@ def main(argv=None):
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
-    model = LlamaModel.from_gguf()
+    model = load_target(args.model, dtype=args.dtype)
     drafter, _, _, path = resolve_drafter(args.draft, target_cfg=model.cfg)
     prompts = []
     for f in sorted(Path(x) for x in args.prompts):

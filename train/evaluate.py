@@ -13,16 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 
+from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.data import load_prompts
 from dspark_jax.drafters import resolve_drafter
 from dspark_jax.evaluation import evaluate_rounds, fixed_block_rounds, split_half
-from dspark_jax.models.llama import LlamaModel
 from dspark_jax.timing import write_json
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--draft", default="dspark", help="dspark | dflash | a drafter folder")
+    add_model_arguments(p)
     p.add_argument("--prompts", nargs="+", required=True, help="JSONL files or folders")
     p.add_argument("--limit", type=int, help="prompts per file (after --half)")
     p.add_argument("--half", default="all", choices=["all", "calib", "eval"])
@@ -34,7 +34,7 @@ def main(argv=None):
     p.add_argument("--no-sts", action="store_true", help="ignore the drafter's STS temperatures")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args(argv)
-    model = LlamaModel.from_gguf()
+    model = load_target(args.model, dtype=args.dtype)
     drafter, meta, temps, path = resolve_drafter(args.draft, target_cfg=model.cfg)
     if args.no_sts:
         temps = None

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.data import generate_responses, load_prompts
-from dspark_jax.models.llama import LlamaModel
 
 
 def main(argv=None):
@@ -19,7 +19,7 @@ def main(argv=None):
     p.add_argument("--prompts", nargs="+", default=["../shared/data/prompts/train"],
                    help="JSONL files or folders of training prompts (never dev/)")
     p.add_argument("--out", default="runs/data/responses")
-    p.add_argument("--model", default=None, help="GGUF path (default: the cached SmolLM2-135M-Instruct)")
+    add_model_arguments(p, draft=False)
     p.add_argument("--limit", type=int, default=None, help="prompts per file")
     p.add_argument("--max-prompts", type=int, default=None,
                    help="use the first N prompts after shuffling (the shipped drafters used 1152: 12 chunks)")
@@ -39,7 +39,7 @@ def main(argv=None):
     prompts = load_prompts(args.prompts, limit=args.limit)
     order = np.random.default_rng(args.shuffle_seed).permutation(len(prompts))
     prompts = [prompts[i] for i in order][: args.max_prompts]
-    model = LlamaModel.from_gguf(args.model)
+    model = load_target(args.model, dtype=args.dtype)
     files = generate_responses(model, prompts, args.out, max_new_tokens=args.max_new_tokens,
                                temperatures=args.temperatures, seed=args.seed, num_slots=args.slots,
                                chunk_size=args.chunk, max_prompt_tokens=args.max_prompt_tokens)

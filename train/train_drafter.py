@@ -15,8 +15,8 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import data, training
+from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.models.drafter import Drafter, DrafterConfig
-from dspark_jax.models.llama import LlamaModel
 from dspark_jax.plots import plot_training
 
 
@@ -26,7 +26,7 @@ def main(argv=None):
     p.add_argument("--run", required=True, help="run folder (checkpoints, metrics, export)")
     p.add_argument("--kind", choices=["dspark", "dflash"], default="dspark")
     p.add_argument("--head", choices=["markov", "rnn"], default="markov", help="sequential head for dspark")
-    p.add_argument("--model", default=None)
+    add_model_arguments(p, draft=False)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--ffn", type=int, default=1536)
@@ -41,7 +41,7 @@ def main(argv=None):
 
     run = Path(args.run)
     run.mkdir(parents=True, exist_ok=True)
-    target = LlamaModel.from_gguf(args.model)
+    target = load_target(args.model, dtype=args.dtype)
     cache = data.open_target_cache(args.cache)
     freqs = data.token_frequencies(cache, target.cfg.vocab_size)
     vocab = training.choose_draft_vocab(freqs, args.draft_vocab, always=tuple(target.tokenizer.stop_ids))

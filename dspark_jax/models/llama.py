@@ -69,6 +69,32 @@ def default_tap_layers(n_layers: int, m: int = 5) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling for long contexts, as Hugging Face configs state it (``rope_scaling``).
+
+    kind ``"llama3"`` (Llama 3.1 onwards): wavelengths longer than original_max_positions / low_freq_factor are
+    stretched by `factor`, those shorter than original_max_positions / high_freq_factor kept, and the band
+    between interpolated smoothly. kind ``"linear"``: every frequency divided by `factor` (position
+    interpolation).
+    """
+
+    kind: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ("llama3", "linear"):
+            raise ValueError(f"RopeScaling kind must be 'llama3' or 'linear'; got {self.kind!r}")
+        if self.factor <= 0:
+            raise ValueError(f"RopeScaling factor must be > 0; got {self.factor}")
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(f"RopeScaling high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
+                             f"({self.low_freq_factor})")
+
+
+@dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Static model hyperparameters (hashable: passed to jitted functions as a static argument)."""
 
@@ -83,6 +109,9 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     tap_layers: tuple[int, ...] | None = None  # None: default_tap_layers(n_layers)
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's E features of q and k, before RoPE
+    attn_bias: bool = False  # Qwen2: biases on the q, k and v projections
 
     def __post_init__(self):
         if self.tap_layers is None:
@@ -125,6 +154,11 @@ class LayerWeights:
     w_gate: jax.Array  # [L, D, F]
     w_up: jax.Array  # [L, D, F]
     w_down: jax.Array  # [L, F, D]
+    q_norm: jax.Array | None = None  # [L, E] with cfg.qk_norm, else None
+    k_norm: jax.Array | None = None  # [L, E] with cfg.qk_norm
+    bq: jax.Array | None = None  # [L, H*E] with cfg.attn_bias
+    bk: jax.Array | None = None  # [L, K*E] with cfg.attn_bias
+    bv: jax.Array | None = None  # [L, K*E] with cfg.attn_bias
 
 
 @jax.tree_util.register_dataclass
@@ -218,9 +252,50 @@ def init_random_weights(cfg: LlamaConfig, key: jax.Array, dtype: Any = jnp.float
             for (name, shp), k in zip(shapes.items(), keys)}
     norm = lambda k, shp: (1.0 + 0.1 * jax.random.normal(k, shp)).astype(dtype)
     layers = LayerWeights(attn_norm=norm(keys[-5], (L, D)), mlp_norm=norm(keys[-4], (L, D)), **proj)
+    if cfg.qk_norm:
+        k1, k2 = jax.random.split(jax.random.fold_in(key, 1))
+        layers = dataclasses.replace(layers, q_norm=norm(k1, (L, cfg.head_dim)), k_norm=norm(k2, (L, cfg.head_dim)))
+    if cfg.attn_bias:
+        kq, kk, kv = jax.random.split(jax.random.fold_in(key, 2), 3)
+        bias = lambda k, n: (scale * jax.random.normal(k, (L, n))).astype(dtype)
+        layers = dataclasses.replace(layers, bq=bias(kq, HE), bk=bias(kk, KE), bv=bias(kv, KE))
     embed = jax.random.normal(keys[-3], (V, D)).astype(dtype)
     lm_head = None if cfg.tie_embeddings else (scale * jax.random.normal(keys[-1], (D, V))).astype(dtype)
     return LlamaWeights(embed=embed, layers=layers, final_norm=norm(keys[-2], (D,)), lm_head=lm_head)
+
+
+@functools.partial(jax.jit, static_argnames=("transpose",), donate_argnames=("stack",))
+def _put_layer(stack: jax.Array, i: jax.Array, w: jax.Array, transpose: bool) -> jax.Array:
+    """stack[i] = w, cast (and transposed when asked), in place: the stack is donated."""
+    w = (w.T if transpose else w).astype(stack.dtype)
+    return lax.dynamic_update_index_in_dim(stack, w, i, 0)
+
+
+def stack_layers(read, n_layers: int, dtype: Any, *, transpose: bool = False) -> jax.Array:
+    """One weight of every layer as a stacked [L, ...] device array, read one layer at a time.
+
+    Each layer's tensor is moved to the device as it is, then cast (and transposed) there and written into its
+    row, so the host holds one layer's tensor at a time, in its stored dtype. One small program compiles per
+    tensor shape.
+
+    Args:
+      read: read(i) -> layer i's tensor (numpy or jax array, any float dtype).
+      n_layers: L.
+      dtype: the stack's dtype.
+      transpose: store each 2-D tensor transposed (Hugging Face's [out, in] -> this project's [in, out]).
+    Returns:
+      [L, *shape] array in `dtype`.
+
+    >>> stack_layers(lambda i: np.full((2, 3), i, np.float32), 2, jnp.bfloat16, transpose=True).shape
+    (2, 3, 2)
+    """
+    stack = None
+    for i in range(n_layers):
+        w = jnp.asarray(read(i))
+        if stack is None:
+            stack = jnp.zeros((n_layers, *(w.shape[::-1] if transpose else w.shape)), dtype)  # [L, ...]
+        stack = _put_layer(stack, jnp.int32(i), w, transpose)
+    return stack
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -234,17 +309,43 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (xf * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+def rope_frequencies(head_dim: int, base: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """Rotary inverse frequencies float32 [E/2]: base^(-2i/E), rescaled by `scaling` when given.
+
+    >>> rope_frequencies(4, 10000.0).tolist()
+    [1.0, 0.009999999776482582]
+    """
+    half = head_dim // 2
+    inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))  # [E/2]
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths divided by factor, short ones kept, the band between blended linearly in
+    # original_max_positions / wavelength.
+    old = float(scaling.original_max_positions)
+    wavelen = 2 * jnp.pi / inv_freq
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    out = jnp.where(wavelen > old / low, inv_freq / scaling.factor, inv_freq)
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return jnp.where(medium, blended, out)
+
+
+def rope(x: jax.Array, positions: jax.Array, base: float, scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary embedding in the rotate-half layout (pairs (i, i + E/2)).
 
     Args:
         x: [T, heads, E].
         positions: int [T].
+        base: the RoPE base (theta).
+        scaling: optional frequency scaling (`RopeScaling`).
     Returns:
         [T, heads, E], same dtype.
     """
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))  # [E/2]
+    inv_freq = rope_frequencies(x.shape[-1], base, scaling)  # [E/2]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, E/2]
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
     xf = x.astype(jnp.float32)
@@ -348,9 +449,14 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
     def layer(carry, lw: LayerWeights):
         x, k_cache, v_cache, i = carry
         h = rms_norm(x, lw.attn_norm, cfg.norm_eps)
-        q = rope((h @ lw.wq).reshape(T, H, E), positions, cfg.rope_base)  # [T, H, E]
-        k = rope((h @ lw.wk).reshape(T, K, E), positions, cfg.rope_base)  # [T, K, E]
-        v = (h @ lw.wv).reshape(T, K, E)
+        q, k, v = h @ lw.wq, h @ lw.wk, h @ lw.wv  # [T, H*E], [T, K*E], [T, K*E]
+        if cfg.attn_bias:
+            q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
+        q, k, v = q.reshape(T, H, E), k.reshape(T, K, E), v.reshape(T, K, E)
+        if cfg.qk_norm:
+            q, k = rms_norm(q, lw.q_norm, cfg.norm_eps), rms_norm(k, lw.k_norm, cfg.norm_eps)
+        q = rope(q, positions, cfg.rope_base, cfg.rope_scaling)  # [T, H, E]
+        k = rope(k, positions, cfg.rope_base, cfg.rope_scaling)  # [T, K, E]
         # Both updates are [T, K, E]: k_cache [L, S, K, E, C], v_cache [L, S, K, C, E].
         k_cache = k_cache.at[i, write_slots, :, :, positions].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[i, write_slots, :, positions].set(v.astype(v_cache.dtype), mode="drop")
