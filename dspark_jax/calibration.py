@@ -15,7 +15,6 @@ when ``k <= verified`` and its event is ``accepted >= k``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os

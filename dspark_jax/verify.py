@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 __all__ = ["acceptance_probs", "next_token_probs", "speculative_accept", "greedy_accept", "leading_true"]
 

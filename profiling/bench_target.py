@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

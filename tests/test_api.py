@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import dspark_jax

@@ -11,7 +11,6 @@ temperatures). `--half eval` keeps the odd-numbered prompts (the even ones are t
 from __future__ import annotations
 
 import argparse
-import json
 
 from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.data import load_prompts

@@ -11,7 +11,6 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
 from flax import nnx
 
 from dspark_jax import data, training
