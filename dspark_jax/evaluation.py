@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from dspark_jax import calibration
+from dspark_jax.drafters import tapped_for
 from dspark_jax.engine import Engine, EngineConfig, Policy, RoundStats
 
 
@@ -18,7 +19,7 @@ def fixed_block_rounds(model, drafter, prompts: Sequence[Sequence[int]], *, max_
     longest = max(len(p) for p in prompts)
     capacity = -(-(longest + max_new_tokens + G + 1) // 128) * 128
     cfg = EngineConfig(num_slots=concurrency, capacity=capacity, temperature=temperature, seed=seed)
-    engine = Engine(model, drafter, Policy("fixed", k=G), cfg, sts_temperatures=sts_temperatures)
+    engine = Engine(tapped_for(model, drafter), drafter, Policy("fixed", k=G), cfg, sts_temperatures=sts_temperatures)
     engine.record_confidences = True
     engine.run(prompts, max_new_tokens)
     return engine.rounds, engine

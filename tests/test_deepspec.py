@@ -314,3 +314,41 @@ def test_sampled_output_with_an_imported_drafter_follows_the_target(deepspec, tm
     crit = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3  # chi-square at p = 0.001
     assert chi2 < crit, (chi2, crit, dof)
     assert e.summary()["drafts_per_request"] > 0
+
+
+def test_draft_option_finds_a_deepspec_folder_and_the_target_taps_its_layers(imported, tmp_path):
+    from dspark_jax.build import build_engine, load_drafter_for
+    from dspark_jax.drafters import drafter_format, resolve_drafter
+
+    assert drafter_format(imported) == "deepspec"
+    cfg = LlamaConfig.tiny(vocab_size=V, n_layers=3)  # default taps (1, 1, 0, 0, 0): not the drafter's
+    target = LlamaModel(cfg, init_random_weights(cfg, jax.random.key(0)), None)
+    loaded = load_drafter_for(target, str(imported))
+    assert loaded.drafter.cfg.tap_layers == tuple(TAPS) and loaded.drafter.cfg.own_embeddings
+    with pytest.raises(ValueError, match=r"reads target layers \(0, 1\), but the target taps \(1, 1, 0, 0, 0\)"):
+        eng.Engine(target, loaded.drafter, "fixed:2", eng.EngineConfig(num_slots=1, capacity=32))
+    engine = build_engine(target, "fixed:2", draft=loaded, num_slots=1, max_prompt_tokens=8, max_new_tokens=4)
+    assert engine.target.cfg.tap_layers == tuple(TAPS) and engine.target.weights is target.weights
+    with pytest.raises(ValueError, match=r"hidden_size = 32, but the target's width \(hidden_size\) is 64"):
+        resolve_drafter(str(imported), target_cfg=LlamaConfig.tiny(vocab_size=V, dim=64, n_layers=3))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="or a DeepSpec checkpoint folder"):
+        resolve_drafter(str(tmp_path / "empty"))
+
+
+def test_a_drafter_that_cannot_fit_fails_before_the_target_loads(imported, tmp_path, monkeypatch):
+    from dspark_jax import generate
+
+    model = tmp_path / "qwen3"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": V, "hidden_size": 64, "num_hidden_layers": 36}))
+    monkeypatch.setattr(generate, "load_target", lambda *a, **k: pytest.fail("the target must not load"))
+    with pytest.raises(SystemExit):
+        generate.main(["--prompt", "x", "--model", str(model), "--draft", str(imported)])
+    from dspark_jax.drafters import precheck_for_model
+
+    with pytest.raises(ValueError, match=r"config.json: hidden_size = 32, but the target's width"):
+        precheck_for_model(str(imported), model)
+    (model / "config.json").write_text(json.dumps({"vocab_size": V, "hidden_size": D, "num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match=r"num_target_layers = 3, but the target has 2 layers"):
+        precheck_for_model(str(imported), model)
