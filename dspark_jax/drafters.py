@@ -37,6 +37,15 @@ def drafter_format(path: str | Path) -> str | None:
     return None
 
 
+def _speculators_type(path: Path) -> str | None:
+    """The ``speculators_model_type`` of a vLLM speculators checkpoint's config, else None."""
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return hf.get("speculators_model_type") if isinstance(hf, dict) else None
+
+
 def resolve_drafter(spec: str | None = None, *, target_cfg=None, dtype=None
                     ) -> tuple[Drafter, dict, np.ndarray | None, Path]:
     """Load a drafter by shipped name or path. Returns (drafter, metadata, STS temperatures or None, folder).
@@ -51,6 +60,11 @@ def resolve_drafter(spec: str | None = None, *, target_cfg=None, dtype=None
     path = shipped_dir(spec) if spec in SHIPPED else Path(spec)
     kind = drafter_format(path)
     if kind is None:
+        speculators = _speculators_type(path)
+        if speculators is not None:
+            raise ValueError(f"--draft {spec}: {path / 'config.json'} is a vLLM speculators checkpoint "
+                             f"(speculators_model_type {speculators!r}); that format is not read yet: expected "
+                             f"a DeepSpec checkpoint (config.json with target_layer_ids and block_size) or our own")
         if spec in SHIPPED:
             raise ValueError(f"the shipped drafter {spec!r} is missing from this installation ({path}); "
                              f"train one (README, 'Training the drafters') or pass --draft PATH")

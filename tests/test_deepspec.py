@@ -342,6 +342,10 @@ def test_draft_option_finds_a_deepspec_folder_and_the_target_taps_its_layers(imp
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="or a DeepSpec checkpoint folder"):
         resolve_drafter(str(tmp_path / "empty"))
+    (tmp_path / "spec").mkdir()
+    (tmp_path / "spec" / "config.json").write_text(json.dumps({"speculators_model_type": "dspark", "block_size": 8}))
+    with pytest.raises(ValueError, match="speculators checkpoint .*'dspark'.* not read yet"):
+        resolve_drafter(str(tmp_path / "spec"))
 
 
 def test_a_drafter_that_cannot_fit_fails_before_the_target_loads(imported, tmp_path, monkeypatch):
