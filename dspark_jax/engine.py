@@ -246,21 +246,22 @@ class RoundStats:
     finished: int = 0  # requests that finished in the round (admission included)
     drafted: bool = False  # the drafter ran this round
     context: int = 0  # committed tokens of the round's longest request (the cost model's L)
-    # With record_confidences, per row: the request ids [active], the drafted tokens [active, G] (None when the
+    # With Engine.record_tokens, per row: the request ids [active], the drafted tokens [active, G] (None when the
     # drafter did not run) and the tokens each request emitted this round.
     requests: np.ndarray | None = None
     draft_tokens: np.ndarray | None = None
     emitted_tokens: list[list[int]] | None = None
 
     def trace_rows(self, index: int) -> list[dict[str, Any]]:
-        """One JSON-ready record per request of the round (``record_confidences`` must have been on): round
-        ``index``, request id, drafted tokens with their calibrated confidences and raw confidence logits (None
-        when the drafter did not run), scheduled length, accepted drafts, emitted tokens."""
+        """One JSON-ready record per request of the round (the engine's ``record_tokens`` and
+        ``record_confidences`` must have been on): round ``index``, request id, drafted tokens with their
+        calibrated confidences and raw confidence logits (None when the drafter did not run), scheduled length,
+        accepted drafts, emitted tokens."""
         if self.requests is None:
-            raise ValueError("trace_rows: the round was run without Engine.record_confidences")
+            raise ValueError("trace_rows: the round was run without Engine.record_tokens")
         rows = []
         for i, rid in enumerate(self.requests):
-            ran = self.drafted and self.draft_tokens is not None
+            ran = self.drafted and self.draft_tokens is not None and self.confidences is not None
             rows.append({
                 "round": int(index), "request": int(rid),
                 "drafted": self.draft_tokens[i].tolist() if ran else None,
@@ -394,6 +395,7 @@ class Engine:
         self.rounds: list[RoundStats] = []
         self.finished_ids: list[int] = []  # in the order requests finished
         self.record_confidences = False
+        self.record_tokens = False  # RoundStats also hold request ids, drafted and emitted tokens (a trace)
         self._gate_probe = config.gate_probe_every if self.cost is not None else 0  # cost: dspark policies only
         self._gate_closed = False  # the last round found that the drafter would not pay next round
         # Learned cut-off (drafter_off_after): per row bucket, request-rounds of consecutive gate estimates
@@ -681,9 +683,9 @@ class Engine:
                            compiled=compile_count() != compiles, confidences=conf, confidence_logits=conf_logits,
                            finished=len(self.finished_ids) - finished_before,
                            drafted=drafted, context=longest)
-        if self.record_confidences:
+        if self.record_tokens:
             stats.requests = row_requests
-            stats.draft_tokens = np.asarray(d.tokens)[:n] if record else None
+            stats.draft_tokens = np.asarray(d.tokens)[:n] if d is not None else None
             stats.emitted_tokens = [emitted[i, : counts[i]].tolist() for i in range(n)]
         self.rounds.append(stats)
         return stats

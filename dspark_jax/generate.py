@@ -58,7 +58,7 @@ def run_traced(engine: Engine, prompt_ids: list[list[int]], max_new_tokens: int,
     Returns:
       the completions in prompt order.
     """
-    engine.record_confidences = True
+    engine.record_confidences = engine.record_tokens = True
     ids = [engine.submit(p, max_new_tokens) for p in prompt_ids]
     with open(path, "w", encoding="utf-8", buffering=1) as f:
         while not engine.idle():
