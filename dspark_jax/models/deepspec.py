@@ -139,7 +139,7 @@ def deepspec_drafter_config(hf: dict, source: str | os.PathLike = "config.json")
     vocab = _field(hf, "vocab_size", src)
     n_heads = _field(hf, "num_attention_heads", src)
     n_kv = _field(hf, "num_key_value_heads", src, default=n_heads)
-    head_dim = _field(hf, "head_dim", src, default=None) or dim // n_heads
+    head_dim = _field(hf, "head_dim", src, default=None) if hf.get("head_dim") is not None else dim // n_heads
     if _field(hf, "attention_bias", src, bool, default=False):
         raise ValueError(f"{src}: field 'attention_bias' = true; DeepSpec's Qwen3 drafters have none and "
                          f"this loader supports none")
