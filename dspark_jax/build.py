@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.drafters import prior_confidence, resolve_drafter
+from dspark_jax.drafters import prior_confidence, resolve_drafter, tapped_for
 from dspark_jax.engine import Engine, EngineConfig, parse_policy
 from dspark_jax.models.drafter import Drafter
 from dspark_jax.models.llama import LlamaModel
 
-__all__ = ["DTYPES", "parse_dtype", "load_target", "LoadedDrafter", "load_drafter_for", "target_name",
+__all__ = ["DTYPES", "parse_dtype", "load_target", "LoadedDrafter", "load_drafter_for", "tapped_for", "target_name",
            "sps_table_for", "cache_capacity", "build_engine", "add_model_arguments", "add_engine_arguments",
            "engine_from_args"]
 
@@ -99,7 +99,8 @@ class LoadedDrafter:
 
 
 def load_drafter_for(target: LlamaModel, draft: str | Path | None = "dspark") -> LoadedDrafter:
-    """A drafter by shipped name (``dspark``, ``dflash``) or folder, checked against the target.
+    """A drafter by shipped name (``dspark``, ``dflash``), our folder or a DeepSpec checkpoint folder, checked
+    against the target (a DeepSpec drafter's parameters take the target's dtype).
 
     Raises:
       ValueError: naming the folder and what was expected (a drafter folder, or one built for this target).
@@ -111,7 +112,8 @@ def load_drafter_for(target: LlamaModel, draft: str | Path | None = "dspark") ->
     ...
     ValueError: drafter .../dspark was built for a target with (vocab, width, taps) = (49152, 576, 5), but the target has (64, 32, 5)
     """
-    drafter, _, temps, path = resolve_drafter(None if draft is None else str(draft), target_cfg=target.cfg)
+    drafter, _, temps, path = resolve_drafter(None if draft is None else str(draft), target_cfg=target.cfg,
+                                              dtype=target.dtype)
     return LoadedDrafter(drafter, temps, prior_confidence(path, EngineConfig.prior_confidence), path)
 
 
@@ -181,6 +183,7 @@ def build_engine(target: LlamaModel, policy: str = "dspark", *, draft: str | Pat
         capacity = cache_capacity(max_prompt_tokens, max_new_tokens, block)
     if loaded is not None:
         config.setdefault("prior_confidence", loaded.prior_confidence)
+        target = tapped_for(target, loaded.drafter)
     cfg = EngineConfig(num_slots=int(num_slots), capacity=int(capacity), temperature=float(temperature),
                        seed=int(seed), **config)
     return Engine(target, loaded.drafter if loaded is not None else None, pol, cfg,
@@ -194,7 +197,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, draft: bool = True) -> No
     p.add_argument("--dtype", default="auto", help="weights: auto (bfloat16 on an accelerator, float32 on CPU), "
                                                    f"{', '.join(DTYPES)}")
     if draft:
-        p.add_argument("--draft", default="dspark", help="dspark | dflash | a drafter folder")
+        p.add_argument("--draft", default="dspark", help="dspark | dflash | a drafter folder (ours, or a DeepSpec "
+                                                         "DFlash/DSpark checkpoint)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, *, policy: str = "dspark") -> None:

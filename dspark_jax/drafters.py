@@ -1,16 +1,23 @@
-"""Finding a drafter: the shipped ones by name (``dspark``, ``dflash``) or a folder written by
-`training.save_drafter`, with its STS temperatures (``sts.json`` beside the weights) when present."""
+"""Finding a drafter: the shipped ones by name (``dspark``, ``dflash``), a folder written by
+`training.save_drafter` (with its STS temperatures, ``sts.json`` beside the weights, when present), or a DeepSpec
+DFlash/DSpark checkpoint folder (`dspark_jax.models.deepspec`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 import json
+import types
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.calibration import load_temperatures
-from dspark_jax.models.drafter import Drafter
+from dspark_jax.models.deepspec import (check_drafter_fits, deepspec_drafter_config, is_deepspec_folder,
+                                        load_deepspec_drafter)
+from dspark_jax.models.drafter import Drafter, DrafterConfig
+from dspark_jax.models.llama import default_tap_layers
 from dspark_jax.training import load_drafter
 
 SHIPPED = ("dspark", "dflash")
@@ -20,32 +27,100 @@ def shipped_dir(name: str) -> Path:
     return Path(str(importlib.resources.files("dspark_jax"))) / "assets" / "drafters" / name
 
 
-def resolve_drafter(spec: str | None = None, *, target_cfg=None) -> tuple[Drafter, dict, np.ndarray | None, Path]:
+def drafter_format(path: str | Path) -> str | None:
+    """``"dspark-jax"`` (a `training.save_drafter` folder), ``"deepspec"`` (a DeepSpec checkpoint) or None."""
+    path = Path(path)
+    if is_deepspec_folder(path):
+        return "deepspec"
+    if (path / "config.json").is_file() and (path / "weights.npz").is_file():
+        return "dspark-jax"
+    return None
+
+
+def _speculators_type(path: Path) -> str | None:
+    """The ``speculators_model_type`` of a vLLM speculators checkpoint's config, else None."""
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return hf.get("speculators_model_type") if isinstance(hf, dict) else None
+
+
+def resolve_drafter(spec: str | None = None, *, target_cfg=None, dtype=None
+                    ) -> tuple[Drafter, dict, np.ndarray | None, Path]:
     """Load a drafter by shipped name or path. Returns (drafter, metadata, STS temperatures or None, folder).
 
     Args:
-      spec: ``"dspark"`` (default), ``"dflash"`` or a folder path.
-      target_cfg: the target's LlamaConfig, to check that the drafter was built for it.
+      spec: ``"dspark"`` (default), ``"dflash"``, a `training.save_drafter` folder or a DeepSpec checkpoint folder.
+      target_cfg: the target's LlamaConfig, to check that the drafter fits it (width, vocabulary, tapped layers),
+        before any weight is read where the format allows.
+      dtype: parameter dtype of a DeepSpec drafter (default float32); our own folders load as float32.
     """
     spec = spec or "dspark"
     path = shipped_dir(spec) if spec in SHIPPED else Path(spec)
-    if not (path / "config.json").is_file():
+    kind = drafter_format(path)
+    if kind is None:
+        speculators = _speculators_type(path)
+        if speculators is not None:
+            raise ValueError(f"--draft {spec}: {path / 'config.json'} is a vLLM speculators checkpoint "
+                             f"(speculators_model_type {speculators!r}); that format is not read yet: expected "
+                             f"a DeepSpec checkpoint (config.json with target_layer_ids and block_size) or our own")
         if spec in SHIPPED:
             raise ValueError(f"the shipped drafter {spec!r} is missing from this installation ({path}); "
                              f"train one (README, 'Training the drafters') or pass --draft PATH")
-        raise ValueError(f"--draft {spec}: expected a drafter folder with config.json and weights.npz, "
-                         f"or one of {SHIPPED}")
-    drafter, meta = load_drafter(path)
-    if target_cfg is not None:
-        c = drafter.cfg
-        want = (target_cfg.vocab_size, target_cfg.dim, len(target_cfg.tap_layers))
-        have = (c.vocab_size, c.dim, c.n_taps)
-        if want != have:
-            raise ValueError(f"drafter {path} was built for a target with (vocab, width, taps) = {have}, "
-                             f"but the target has {want}")
+        raise ValueError(f"--draft {spec}: expected one of {SHIPPED}, a drafter folder with config.json and "
+                         f"weights.npz, or a DeepSpec checkpoint folder (config.json with target_layer_ids and "
+                         f"block_size, and model.safetensors)")
+    if kind == "deepspec":
+        drafter, meta = load_deepspec_drafter(path, target_cfg, dtype=jnp.float32 if dtype is None else dtype)
+    else:
+        drafter, meta = load_drafter(path)
+        if target_cfg is not None:
+            check_drafter_fits(drafter.cfg, target_cfg, path / "config.json")
     sts = path / "sts.json"
     temps = load_temperatures(sts) if sts.is_file() else None
     return drafter, meta, temps, path
+
+
+def precheck_for_model(spec: str | None, model: str | Path | None) -> None:
+    """Check a drafter's config against a Hugging Face target folder's ``config.json`` (width, vocabulary,
+    layers) before either is loaded, so that a drafter that cannot fit fails in a second, not after the target's
+    weights were read. Does nothing for a GGUF target, a shipped drafter or an unrecognised folder (the loaders
+    check those).
+
+    Raises:
+      ValueError: naming the drafter's config file, the field and what the target expects.
+    """
+    if spec is None or spec in SHIPPED or model is None:
+        return
+    model_cfg = Path(model) / "config.json"
+    kind = drafter_format(spec)
+    if kind is None or not model_cfg.is_file():
+        return
+    try:
+        hf = json.loads(model_cfg.read_text())
+        target = types.SimpleNamespace(vocab_size=int(hf["vocab_size"]), dim=int(hf["hidden_size"]),
+                                       n_layers=int(hf["num_hidden_layers"]))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return  # the target's loader reports what is wrong with its config
+    target.tap_layers = default_tap_layers(target.n_layers)
+    source = Path(spec) / "config.json"
+    meta = json.loads(source.read_text())
+    if kind == "deepspec":
+        cfg = deepspec_drafter_config(meta, source)
+        check_drafter_fits(cfg, target, source, num_target_layers=meta.get("num_target_layers"))
+    else:
+        check_drafter_fits(DrafterConfig.from_dict(meta["config"]), target, source)
+
+
+def tapped_for(target, drafter: Drafter):
+    """The target (a `LlamaModel`) tapping the layers the drafter reads (``DrafterConfig.tap_layers``, e.g. a
+    DeepSpec drafter's ``target_layer_ids``): the same weights and tokenizer with another ``tap_layers``, or the
+    target itself when they already agree or the drafter records none."""
+    taps = drafter.cfg.tap_layers
+    if taps is None or tuple(taps) == tuple(target.cfg.tap_layers):
+        return target
+    return type(target)(dataclasses.replace(target.cfg, tap_layers=tuple(taps)), target.weights, target.tokenizer)
 
 
 def prior_confidence(path: Path, default: float) -> float:

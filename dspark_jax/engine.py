@@ -252,6 +252,31 @@ class RoundStats:
     finished: int = 0  # requests that finished in the round (admission included)
     drafted: bool = False  # the drafter ran this round
     context: int = 0  # committed tokens of the round's longest request (the cost model's L)
+    # With Engine.record_tokens, per row: the request ids [active], the drafted tokens [active, G] (None when the
+    # drafter did not run) and the tokens each request emitted this round.
+    requests: np.ndarray | None = None
+    draft_tokens: np.ndarray | None = None
+    emitted_tokens: list[list[int]] | None = None
+
+    def trace_rows(self, index: int) -> list[dict[str, Any]]:
+        """One JSON-ready record per request of the round (the engine's ``record_tokens`` and
+        ``record_confidences`` must have been on): round ``index``, request id, drafted tokens with their
+        calibrated confidences and raw confidence logits (None when the drafter did not run), scheduled length,
+        accepted drafts, emitted tokens."""
+        if self.requests is None:
+            raise ValueError("trace_rows: the round was run without Engine.record_tokens")
+        rows = []
+        for i, rid in enumerate(self.requests):
+            ran = self.drafted and self.draft_tokens is not None and self.confidences is not None
+            rows.append({
+                "round": int(index), "request": int(rid),
+                "drafted": self.draft_tokens[i].tolist() if ran else None,
+                "confidences": [round(float(c), 6) for c in self.confidences[i]] if ran else None,
+                "confidence_logits": [round(float(c), 6) for c in self.confidence_logits[i]] if ran else None,
+                "scheduled": int(self.scheduled[i]), "accepted": int(self.accepted[i]),
+                "emitted": list(self.emitted_tokens[i]),
+            })
+        return rows
 
 
 @dataclasses.dataclass
@@ -313,6 +338,10 @@ class Engine:
         if self.policy.drafts and drafter is None:
             raise ValueError(f"policy {self.policy} needs a drafter; only 'none' runs without one")
         self.drafter = drafter if self.policy.drafts else None
+        if self.drafter is not None and self.drafter.cfg.tap_layers is not None and \
+                tuple(self.drafter.cfg.tap_layers) != tuple(target.cfg.tap_layers):
+            raise ValueError(f"the drafter reads target layers {self.drafter.cfg.tap_layers}, but the target taps "
+                             f"{target.cfg.tap_layers} (build.tapped_for gives a target tapping the drafter's)")
         # The round programs are static in the policy's kind; its number (K or C) is passed as an array.
         self._policy_kind = Policy(self.policy.kind)
         self._policy_value = jnp.float32(self.policy.value)
@@ -389,6 +418,7 @@ class Engine:
         self.rounds: list[RoundStats] = []
         self.finished_ids: list[int] = []  # in the order requests finished
         self.record_confidences = False
+        self.record_tokens = False  # RoundStats also hold request ids, drafted and emitted tokens (a trace)
         self._gate_probe = config.gate_probe_every if self.cost is not None else 0  # cost: dspark policies only
         self._gate_closed = False  # the last round found that the drafter would not pay next round
         # Learned cut-off (drafter_off_after): per row bucket, request-rounds of consecutive gate estimates
@@ -656,6 +686,7 @@ class Engine:
             self._observe_round(drafted, time.perf_counter() - t_round, float(predicted))
         lengths = np.asarray(d.lengths)[:n] if d is not None else np.zeros(n, np.int64)
         rows = _rows_host(active)[:n]
+        row_requests = np.asarray([self.slot_request[s] for s in rows], np.int64)
         for i, s in enumerate(rows):
             rid = int(self.slot_request[s])
             self._emit(rid, emitted[i, : counts[i]])
@@ -675,6 +706,10 @@ class Engine:
                            compiled=compile_count() != compiles, confidences=conf, confidence_logits=conf_logits,
                            finished=len(self.finished_ids) - finished_before,
                            drafted=drafted, context=longest)
+        if self.record_tokens:
+            stats.requests = row_requests
+            stats.draft_tokens = np.asarray(d.tokens)[:n] if d is not None else None
+            stats.emitted_tokens = [emitted[i, : counts[i]].tolist() for i in range(n)]
         self.rounds.append(stats)
         return stats
 

@@ -3,6 +3,12 @@
     python -m dspark_jax.generate --prompt "What is 2+2?"
     python -m dspark_jax.generate --prompts data.jsonl --limit 8 --concurrency 8 --policy dspark --json out.json
     python -m dspark_jax.generate --prompt "Hi" --policy none          # plain decoding, no drafter
+    python -m dspark_jax.generate --model QWEN3_FOLDER --draft DEEPSPEC_FOLDER --prompt "Hi" --trace t.jsonl
+
+``--trace FILE`` writes one JSON line per round and request: the round index, the request, the drafted tokens
+(and their text pieces) with their calibrated confidences and raw confidence logits (null in rounds where the
+drafter did not run), the scheduled length, the accepted drafts and the tokens the round emitted (a request's
+first token is sampled at admission, outside any round).
 
 Policies: none, fixed:K, threshold:C, dspark (Algorithm 1 on the SPS table), dspark-async.
 
@@ -20,7 +26,9 @@ from pathlib import Path
 
 from dspark_jax.build import add_engine_arguments, engine_from_args, load_target
 from dspark_jax.data import parse_turns
-from dspark_jax.engine import parse_policy
+from dspark_jax.drafters import precheck_for_model
+from dspark_jax.engine import Completion, Engine, parse_policy
+from dspark_jax.io import check_writable
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
@@ -36,6 +44,29 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     return prompts
 
 
+def run_traced(engine: Engine, prompt_ids: list[list[int]], max_new_tokens: int, path: str | Path,
+               tokenizer=None) -> list[Completion]:
+    """`Engine.run` that writes a JSON line per round and request to ``path`` (line-buffered, as the rounds
+    run: a trace of an interrupted run holds every finished round). Request ids are the prompts' indices when
+    the engine starts idle. With a tokenizer each record also holds ``drafted_text``, each drafted token's text.
+
+    Returns:
+      the completions in prompt order.
+    """
+    engine.record_confidences = engine.record_tokens = True
+    ids = [engine.submit(p, max_new_tokens) for p in prompt_ids]
+    with open(path, "w", encoding="utf-8", buffering=1) as f:
+        while not engine.idle():
+            stats = engine.step()
+            if stats is None:
+                continue
+            for row in stats.trace_rows(len(engine.rounds) - 1):
+                if tokenizer is not None and row["drafted"] is not None:
+                    row["drafted_text"] = [tokenizer.decode([t]) for t in row["drafted"]]
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return [engine.requests[i] for i in ids]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dspark_jax.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests decoded together (default: min(prompts, 16))")
     p.add_argument("--json", dest="json_out", help="write results and speed to this JSON file")
     p.add_argument("--quiet", action="store_true", help="do not stream or print generated text")
+    p.add_argument("--trace", help="write per round and request the drafted tokens, confidences, scheduled length "
+                                   "and accepted count to this file (JSON lines)")
     return p
 
 
@@ -65,6 +98,16 @@ def main(argv: list[str] | None = None) -> dict:
         parse_policy(args.policy)
     except ValueError as e:
         build_parser().error(str(e))
+    if args.trace:
+        try:
+            check_writable(args.trace)
+        except ValueError as e:
+            build_parser().error(f"--trace: {e}")
+    if parse_policy(args.policy).drafts:
+        try:
+            precheck_for_model(args.draft, args.model)
+        except ValueError as e:
+            build_parser().error(f"--draft: {e}")
     model = load_target(args.model, dtype=args.dtype)
     tok = model.tokenizer
     prompt_ids = [tok.encode_chat([p]) for p in prompts]
@@ -80,7 +123,10 @@ def main(argv: list[str] | None = None) -> dict:
 
         engine.on_token = on_token
     t0 = time.perf_counter()
-    results = engine.run(prompt_ids, args.max_new_tokens)
+    if args.trace:
+        results = run_traced(engine, prompt_ids, args.max_new_tokens, args.trace, tok)
+    else:
+        results = engine.run(prompt_ids, args.max_new_tokens)
     wall = time.perf_counter() - t0
     if engine.on_token is not None:
         sys.stdout.write(stream.flush() + "\n")

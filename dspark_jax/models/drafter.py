@@ -4,8 +4,15 @@ Spec section 2. The backbone reads context features (tapped target layers, proje
 as extra keys and values into every draft layer, and a block ``[x0, MASK, ..., MASK]`` of G slots attending
 bidirectionally to itself; slot k predicts token ``x_{k+1}``. The frozen target embedding and LM head are
 passed in as arrays (never trained, never stored with the drafter). The sequential head adds a bias that
-depends on the previous token (Markov, low rank) or on a small recurrent state (RNN), and the confidence
-head reads ``[h_k ; W1[x_k]]`` to estimate the chance that ``x_{k+1}`` survives verification.
+depends on the previous token (Markov, low rank; or gated by the hidden state) or on a small recurrent state
+(RNN), and the confidence head reads ``[h_k ; W1[x_k]]`` (or ``h_k`` alone) to estimate the chance that
+``x_{k+1}`` survives verification.
+
+Switches for drafters trained elsewhere (DeepSpec's ``Qwen3DSparkModel``, `dspark_jax.models.deepspec`), each off
+by default: RMSNorm of every head's queries and keys before RoPE (``qk_norm``), the block slots embedded as a
+vocabulary row (``mask_token``) instead of a learned vector, the drafter's own embedding and LM head copies
+(``own_embeddings``) instead of the target's, a confidence head on ``h_k`` alone (``confidence_prev=False``), and
+the target layers it was trained on (``tap_layers``).
 
 A reduced draft vocabulary (W of the V target tokens) is optional: the drafter then only proposes those
 tokens, its distributions are over them (zero elsewhere), and verification stays exact.
@@ -30,7 +37,7 @@ from jax import lax
 
 from dspark_jax.models.llama import masked_softmax, rope
 
-HEADS = ("markov", "rnn", "none")
+HEADS = ("markov", "gated", "rnn", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +59,19 @@ class DrafterConfig:
     draft_vocab_size: int = 0  # W; 0 means the full target vocabulary
     rope_base: float = 100000.0
     norm_eps: float = 1e-5
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3 layers)
+    mask_token: int | None = None  # the block slots' input: this token's embedding row; None: a learned vector
+    own_embeddings: bool = False  # its own embedding [V, D] and LM head [D, W], not the target's
+    confidence_prev: bool = True  # the confidence head reads [h_k ; W1[x_k]]; False: h_k alone
+    tap_layers: tuple[int, ...] | None = None  # the target layers it reads; None: whatever the target taps
 
     def __post_init__(self):
+        if self.tap_layers is not None:
+            object.__setattr__(self, "tap_layers", tuple(int(i) for i in self.tap_layers))
+            if len(self.tap_layers) != self.n_taps:
+                raise ValueError(f"tap_layers {self.tap_layers}: expected n_taps={self.n_taps} layer ids")
+        if self.mask_token is not None and not 0 <= self.mask_token < self.vocab_size:
+            raise ValueError(f"mask_token must lie in [0, {self.vocab_size}), got {self.mask_token}")
         if self.head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
         if self.n_heads % self.n_kv_heads:
@@ -70,6 +88,12 @@ class DrafterConfig:
 
     @property
     def uses_prev_token(self) -> bool:
+        """Whether a head reads W1 of the previous token (the table exists)."""
+        return self.head != "none" or (self.confidence and self.confidence_prev)
+
+    @property
+    def sequential(self) -> bool:
+        """Whether a sequential or confidence head runs after the backbone."""
         return self.head != "none" or self.confidence
 
     @classmethod
@@ -81,9 +105,6 @@ class DrafterConfig:
         base.update(overrides)
         return cls(**base)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
         known = {f.name for f in dataclasses.fields(cls)}
@@ -91,6 +112,12 @@ class DrafterConfig:
         if unknown:
             raise ValueError(f"unknown drafter config fields {sorted(unknown)}")
         return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if d["tap_layers"] is not None:
+            d["tap_layers"] = list(d["tap_layers"])
+        return d
 
 
 class Buffer(nnx.Variable):
@@ -112,6 +139,9 @@ class DraftLayer(nnx.Module):
         self.wq, self.wk, self.wv, self.wo = lin(D, H * E), lin(D, K * E), lin(D, K * E), lin(H * E, D)
         self.mlp_norm = nnx.RMSNorm(D, epsilon=cfg.norm_eps, rngs=rngs)
         self.w_gate, self.w_up, self.w_down = lin(D, F), lin(D, F), lin(F, D)
+        if cfg.qk_norm:
+            self.q_norm = nnx.RMSNorm(E, epsilon=cfg.norm_eps, rngs=rngs)
+            self.k_norm = nnx.RMSNorm(E, epsilon=cfg.norm_eps, rngs=rngs)
 
     def _rope(self, x, positions):
         """x [..., K, E], positions [...] -> RoPE'd x."""
@@ -122,7 +152,10 @@ class DraftLayer(nnx.Module):
     def context_kv(self, h_ctx: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys (after RoPE) and values of context features: [..., D] -> ([..., K, E], [..., K, E])."""
         K, E = self.cfg.n_kv_heads, self.cfg.head_dim
-        k = self._rope(self.wk(h_ctx).reshape(*h_ctx.shape[:-1], K, E), positions)
+        k = self.wk(h_ctx).reshape(*h_ctx.shape[:-1], K, E)
+        if self.cfg.qk_norm:
+            k = self.k_norm(k)
+        k = self._rope(k, positions)
         v = self.wv(h_ctx).reshape(*h_ctx.shape[:-1], K, E)
         return k, v
 
@@ -142,7 +175,10 @@ class DraftLayer(nnx.Module):
         H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         Q = H // K
         h = self.attn_norm(x)
-        q = self._rope(self.wq(h).reshape(N, B, G, H, E), positions).reshape(N, B, G, K, Q, E) * (E**-0.5)
+        q = self.wq(h).reshape(N, B, G, H, E)
+        if cfg.qk_norm:
+            q = self.q_norm(q)
+        q = self._rope(q, positions).reshape(N, B, G, K, Q, E) * (E**-0.5)
         kb, vb = self.context_kv(h, positions)  # [N, B, G, K, E]
         s_ctx = jnp.einsum("nbgkqe,nske->nbgkqs", q, ctx_k)  # [N, B, G, K, Q, S]
         s_blk = jnp.einsum("nbgkqe,nbhke->nbgkqh", q, kb)  # [N, B, G, K, Q, G]
@@ -181,7 +217,8 @@ class Drafter(nnx.Module):
         self.to_draft = Buffer(jnp.asarray(to_draft))  # [V] token id -> draft index (W if absent)
         self.ctx_proj = nnx.Linear(cfg.n_taps * D, D, use_bias=False, kernel_init=_init(), rngs=rngs)
         self.ctx_norm = nnx.RMSNorm(D, epsilon=cfg.norm_eps, rngs=rngs)
-        self.mask_embed = nnx.Param(_init()(rngs.params(), (D,)))
+        if cfg.mask_token is None:
+            self.mask_embed = nnx.Param(_init()(rngs.params(), (D,)))
         self.layers = nnx.List([DraftLayer(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.final_norm = nnx.RMSNorm(D, epsilon=cfg.norm_eps, rngs=rngs)
         if cfg.uses_prev_token:
@@ -192,7 +229,13 @@ class Drafter(nnx.Module):
         if cfg.head == "rnn":
             self.cell = nnx.Linear(2 * r + D, 3 * r, use_bias=True, kernel_init=_init(), rngs=rngs)
         if cfg.confidence:
-            self.conf = nnx.Linear(D + r, 1, use_bias=True, kernel_init=_init(), rngs=rngs)
+            width = D + r if cfg.confidence_prev else D
+            self.conf = nnx.Linear(width, 1, use_bias=True, kernel_init=_init(), rngs=rngs)
+        if cfg.head == "gated":
+            self.gate = nnx.Linear(D + r, r, use_bias=True, kernel_init=_init(), rngs=rngs)
+        if cfg.own_embeddings:
+            self.embed = nnx.Param(_init(1.0)(rngs.params(), (cfg.vocab_size, D)))  # [V, D]
+            self.lm_head = nnx.Param(_init()(rngs.params(), (D, W)))  # [D, W] over the draft vocabulary
 
     # ------------------------------------------------------------------ backbone
     def context_features(self, taps: jax.Array) -> jax.Array:
@@ -213,13 +256,16 @@ class Drafter(nnx.Module):
           ctx_k, ctx_v: [L, N, S, K, E] per-layer context keys and values.
           ctx_mask: bool [N, B, S] context visible to each block (strictly before its anchor).
           anchors: int [N, B] anchor token ids; anchor_pos: int [N, B] their positions.
-          embed: [V, D] the frozen target embedding.
+          embed: [V, D] the frozen target embedding (unused with ``own_embeddings``).
         Returns:
           [N, B, G, D] final-normed hidden states h_k (slot k predicts x_{k+1}).
         """
         G = self.cfg.block
-        first = embed[anchors].astype(self.mask_embed[...].dtype)[:, :, None, :]  # [N, B, 1, D]
-        rest = jnp.broadcast_to(self.mask_embed[...], (*anchors.shape, G - 1, self.cfg.dim))
+        table = self.embed[...] if self.cfg.own_embeddings else embed  # [V, D]
+        dtype = self.ctx_proj.kernel[...].dtype
+        mask = self.mask_embed[...] if self.cfg.mask_token is None else table[self.cfg.mask_token]  # [D]
+        first = table[anchors].astype(dtype)[:, :, None, :]  # [N, B, 1, D]
+        rest = jnp.broadcast_to(mask.astype(dtype), (*anchors.shape, G - 1, self.cfg.dim))
         x = jnp.concatenate([first, rest], axis=2)  # [N, B, G, D]
         positions = anchor_pos[..., None] + jnp.arange(G, dtype=jnp.int32)  # [N, B, G]
         for i, layer in enumerate(self.layers):
@@ -235,7 +281,8 @@ class Drafter(nnx.Module):
         """Sequential-head bias and confidence logit at one slot.
 
         Args:
-          h_k: [..., D] backbone hidden state of the slot; e_prev: [..., r] W1 of the previous token.
+          h_k: [..., D] backbone hidden state of the slot; e_prev: [..., r] W1 of the previous token (None
+            when no head reads it, `DrafterConfig.uses_prev_token`).
           state: [..., r] RNN state (ignored by the other heads).
         Returns:
           (bias [..., W] or None, confidence logit [...] or None, new state).
@@ -244,6 +291,9 @@ class Drafter(nnx.Module):
         bias = conf = None
         if cfg.head == "markov":
             bias = self.w2(e_prev)
+        elif cfg.head == "gated":  # the hidden state gates the previous token's embedding
+            gate = jax.nn.sigmoid(self.gate(jnp.concatenate([h_k, e_prev.astype(h_k.dtype)], axis=-1)))
+            bias = self.w2(gate * e_prev)
         elif cfg.head == "rnn":
             r = cfg.rank
             z = self.cell(jnp.concatenate([state, e_prev, h_k], axis=-1))
@@ -252,7 +302,8 @@ class Drafter(nnx.Module):
             state = gate * state + (1 - gate) * jnp.tanh(u)
             bias = self.w2(jnp.tanh(o))
         if cfg.confidence:
-            conf = self.conf(jnp.concatenate([h_k, e_prev], axis=-1))[..., 0]
+            feats = jnp.concatenate([h_k, e_prev.astype(h_k.dtype)], axis=-1) if cfg.confidence_prev else h_k
+            conf = self.conf(feats)[..., 0]
         return bias, conf, state
 
     def teacher_forced(self, h: jax.Array, prev_tokens: jax.Array, head_w: jax.Array):
@@ -265,9 +316,9 @@ class Drafter(nnx.Module):
           logits float32 [..., G, W]; confidence logits float32 [..., G] (zeros without a confidence head).
         """
         logits = jnp.einsum("...gd,dw->...gw", h, head_w).astype(jnp.float32)
-        if not self.cfg.uses_prev_token:
+        if not self.cfg.sequential:
             return logits, proxy_confidence_logit(logits)
-        e = self.prev_embedding(prev_tokens)  # [..., G, r]
+        e = self.prev_embedding(prev_tokens) if self.cfg.uses_prev_token else None  # [..., G, r]
         if self.cfg.head == "rnn":
             def step(state, xs):
                 h_k, e_k = xs
@@ -325,8 +376,9 @@ def sample_block(drafter: Drafter, h: jax.Array, anchors: jax.Array, keys: jax.A
     def step(carry, xs):
         prev, state = carry
         h_k, base_k, key_k = xs  # [R, D], [R, W], [R]
-        if cfg.uses_prev_token:
-            bias, conf, state = drafter.head_step(h_k, drafter.prev_embedding(prev), state)
+        if cfg.sequential:
+            e_prev = drafter.prev_embedding(prev) if cfg.uses_prev_token else None
+            bias, conf, state = drafter.head_step(h_k, e_prev, state)
         else:
             bias, conf = None, None
         logits = base_k if bias is None else base_k + bias.astype(jnp.float32)
@@ -412,7 +464,10 @@ def draft(drafter: Drafter, cache: DrafterCache, slots, ctx_len, anchors, keys, 
 
 
 def draft_head_weights(drafter: Drafter, embed: jax.Array, lm_head: jax.Array | None = None) -> jax.Array:
-    """The frozen LM head restricted to the draft vocabulary: [D, W]."""
+    """The frozen LM head restricted to the draft vocabulary: [D, W] (the drafter's own copy with
+    ``own_embeddings``)."""
+    if drafter.cfg.own_embeddings:
+        return drafter.lm_head[...]
     ids = drafter.vocab_ids[...]
     if lm_head is None:  # tied embeddings
         return embed[ids].T
