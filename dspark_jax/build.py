@@ -110,7 +110,7 @@ def load_drafter_for(target: LlamaModel, draft: str | Path | None = "dspark") ->
     >>> load_drafter_for(tiny, "dspark")
     Traceback (most recent call last):
     ...
-    ValueError: drafter .../dspark was built for a target with (vocab, width, taps) = (49152, 576, 5), but the target has (64, 32, 5)
+    ValueError: .../dspark/config.json: vocab_size = 49152, but the target's vocabulary has 64 tokens
     """
     drafter, _, temps, path = resolve_drafter(None if draft is None else str(draft), target_cfg=target.cfg,
                                               dtype=target.dtype)
