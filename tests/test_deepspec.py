@@ -261,12 +261,13 @@ def test_missing_and_misshaped_tensors_are_named(deepspec, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Through the engine: a tiny Llama target whose width, vocabulary and tapped layers fit the imported drafter.
-# (A Qwen3 target, with QK-norm, runs the same way once models/hf.py reads Qwen3 checkpoints.)
+# Through the engine: a tiny Qwen3-style target (QK-norm, untied embeddings: what models/hf.py builds from a
+# Qwen3 checkpoint) whose width, vocabulary and tapped layers fit the imported drafter.
 
 
 def tiny_target(vocab=V, seed=0, scale=0.3):
-    cfg = LlamaConfig.tiny(vocab_size=vocab, n_layers=3, tap_layers=tuple(TAPS))
+    cfg = LlamaConfig.tiny(vocab_size=vocab, n_layers=3, tap_layers=tuple(TAPS), qk_norm=True,
+                           tie_embeddings=False)
     return LlamaModel(cfg, init_random_weights(cfg, jax.random.key(seed), scale=scale), None)
 
 
