@@ -136,12 +136,14 @@ def extend_drafter(source: Drafter, cfg: DrafterConfig, *, seed: int = 0) -> tup
 
 
 def trainable_filter(part: str, cfg: DrafterConfig):
-    """The `flax.nnx` filter of the parameters ``part`` trains (see the module docstring).
+    """The `flax.nnx` filter of the parameters ``part`` trains (see the module docstring): for ``nnx.split``,
+    ``nnx.state`` and `training.train`'s ``trainable``.
 
-    >>> cfg = DrafterConfig(vocab_size=64, dim=16, n_heads=2, n_kv_heads=1, head_dim=8, rank=4)
-    >>> d = Drafter(cfg, rngs=nnx.Rngs(0))
-    >>> sorted("/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(d, trainable_filter("confidence", cfg))))
-    ['conf/bias', 'conf/kernel']
+    Args:
+      part: ``all``, ``heads`` or ``confidence``.
+      cfg: the drafter's configuration (``confidence`` also trains ``w1`` when there is no sequential head).
+    Returns:
+      ``nnx.Param`` for ``all``, else a predicate ``(path, value) -> bool``.
     """
     _check_part(part)
     if part == "all":

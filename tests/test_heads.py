@@ -5,14 +5,13 @@ import doctest
 import json
 import types
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from dspark_jax import data, drafters, heads, training
 from dspark_jax.models.drafter import Buffer, Drafter, DrafterConfig
-from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
+from dspark_jax.models.llama import LlamaConfig, LlamaModel
 from tests.test_training import TARGET, fake_cache, loader_for, tiny_drafter
 from train import calibrate, evaluate, train_drafter
 
@@ -144,7 +143,7 @@ def test_bad_inputs_fail_before_training(setup, monkeypatch):
         train_drafter.main(run_args(s, "--init-from", str(markov), "--train", "heads", "--rank", "8"))
     with pytest.raises(ValueError, match="--kind dflash: the source drafter has a markov"):
         train_drafter.main(run_args(s, "--init-from", str(markov), "--kind", "dflash"))
-    wide = LlamaModel(wide_cfg, init_random_weights(wide_cfg, jax.random.key(0)), s.target.tokenizer)
+    wide = types.SimpleNamespace(cfg=wide_cfg)  # the cache is checked against the target before any weight is used
     monkeypatch.setattr(train_drafter, "load_target", lambda model=None, dtype=None: wide)
     with pytest.raises(ValueError, match=r"--cache .*\(taps, width\) = \(5, 32\), but the target has \(5, 48\)"):
         train_drafter.main(run_args(s, "--init-from", str(markov), "--train", "heads"))
@@ -185,8 +184,7 @@ def test_copy_drafter_adds_the_calibration_atomically(tmp_path):
     out = drafters.copy_drafter(drafters.shipped_dir("dflash"), tmp_path / "cal", attach=[sts])
     for name in ("config.json", "weights.npz"):
         assert (out / name).read_bytes() == (drafters.shipped_dir("dflash") / name).read_bytes()
-    _, _, temps, path = drafters.resolve_drafter(str(out))
-    np.testing.assert_array_equal(temps, [1.0, 2.0, 0.5, 1, 1, 1, 1])
+    assert (out / "sts.json").read_bytes() == sts.read_bytes()  # where resolve_drafter looks for it
     drafters.copy_drafter(drafters.shipped_dir("dflash"), out)  # replaces a drafter folder
     assert not (out / "sts.json").exists()
     (tmp_path / "notes").mkdir()
