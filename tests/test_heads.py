@@ -20,10 +20,6 @@ def flat(module, what=nnx.Param) -> dict[str, np.ndarray]:
     return {"/".join(map(str, p)): np.array(v[...]) for p, v in nnx.to_flat_state(nnx.state(module, what))}
 
 
-def is_head(name: str) -> bool:
-    return name.split("/")[0] in heads.HEAD_MODULES
-
-
 def test_doctests():
     for module in (heads, drafters):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
