@@ -209,13 +209,17 @@ def build_target_cache(model, chunks: dict[str, Sequence[dict]], out_dir: str | 
         toks, taps, finals, lses = [], [], [], []
         for s in shard:
             ids = list(s["prompt_ids"]) + list(s["output_ids"])
-            cache = model.init_cache(1, -(-len(ids) // 256) * 256)
-            _, extras, _ = model.prefill(cache, ids, 0, return_extras=True)
+            n = len(ids)
+            # Padded to a multiple of 64 tokens so that the ops below compile once per padded length, not once
+            # per sequence length; attention is causal, so the padding changes none of the first n rows.
+            padded = -(-n // 64) * 64
+            cache = model.init_cache(1, -(-padded // 256) * 256)
+            _, extras, _ = model.prefill(cache, ids + [0] * (padded - n), 0, return_extras=True)
             toks.append(np.asarray(ids, np.int32))
-            taps.append(np.asarray(extras.taps.astype(jnp.bfloat16)))
-            final = extras.final_hidden.astype(jnp.float16)
-            finals.append(np.asarray(final))
-            lses.append(np.asarray(lse_fn(model.weights, final.astype(jnp.float32)), np.float32))
+            taps.append(np.asarray(extras.taps.astype(jnp.bfloat16))[:n])
+            final = extras.final_hidden.astype(jnp.float16)  # [padded, D]
+            finals.append(np.asarray(final)[:n])
+            lses.append(np.asarray(lse_fn(model.weights, final.astype(jnp.float32)), np.float32)[:n])
             bar.update(1)
         _save_npy_atomic(Path(f"{stem}.tokens.npy"), np.concatenate(toks))
         _save_npy_atomic(Path(f"{stem}.taps.npy"), np.concatenate(taps).view(np.uint16))

@@ -7,8 +7,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import json
+import os
+import shutil
+import tempfile
 import types
 from pathlib import Path
+from typing import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -139,3 +143,59 @@ def prior_confidence(path: Path, default: float) -> float:
     if not 0.0 < value <= 1.0:
         raise ValueError(f"{report}: per_position[0].conditional = {value}, expected a number in (0, 1]")
     return value
+
+
+def installed_package_path(path: str | Path) -> bool:
+    """Whether ``path`` lies inside the installed package (its assets included) or any ``site-packages`` /
+    ``dist-packages`` folder: places commands must never write into.
+
+    >>> installed_package_path(shipped_dir("dspark")), installed_package_path("runs/dspark")
+    (True, False)
+    """
+    p = Path(path).absolute().resolve()
+    package = Path(str(importlib.resources.files("dspark_jax"))).absolute().resolve()
+    return p == package or package in p.parents or any(part in ("site-packages", "dist-packages")
+                                                       for part in p.parts)
+
+
+def copy_drafter(source: str | Path, out: str | Path, *, attach: Sequence[str | Path] = ()) -> Path:
+    """Copy the files of a drafter folder to ``out``, with the ``attach`` files added under their own names
+    (replacing the source's files of those names, e.g. ``sts.json``), atomically: the folder is assembled
+    beside ``out`` and renamed into place, so ``out`` is either the old folder or the complete new one.
+
+    Args:
+      source: a drafter folder (any format `resolve_drafter` loads; its top-level files are copied).
+      out: the new folder. An existing ``out`` is replaced only if it is empty or holds a drafter
+        (``config.json``), never when it is ``source`` itself.
+      attach: files to add.
+    Returns:
+      ``out``.
+    """
+    source, out = Path(source), Path(out)
+    if out.absolute().resolve() == source.absolute().resolve():
+        raise ValueError(f"copy_drafter: {out} is the source folder itself")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file())):
+        raise ValueError(f"{out} exists and is not a drafter folder (no config.json); choose a new folder")
+    attach = [Path(f) for f in attach]
+    names = {f.name for f in attach}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        for f in sorted(source.iterdir()):
+            if f.is_file() and f.name not in names:
+                shutil.copyfile(f, tmp / f.name)
+        for f in attach:
+            shutil.copyfile(f, tmp / f.name)
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+            os.rmdir(old)
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

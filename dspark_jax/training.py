@@ -28,6 +28,7 @@ import optax
 from flax import nnx
 
 from dspark_jax.models.drafter import Drafter, DrafterConfig, draft_head_weights
+from dspark_jax.io import atomic_write_text
 
 __all__ = ["LossConfig", "block_loss", "TrainConfig", "make_optimizer", "train", "save_drafter",
            "load_drafter"]
@@ -136,7 +137,11 @@ def _batch_to_device(b) -> dict[str, jax.Array]:
 
 
 def make_train_step(graphdef, loss_cfg: LossConfig, tx: optax.GradientTransformation):
-    """A jitted pure step (params, buffers, opt_state, batch, embed, lm_head) -> (params, opt_state, metrics)."""
+    """A jitted pure step (params, buffers, opt_state, batch, embed, lm_head) -> (params, opt_state, metrics).
+
+    ``params`` are the trained parameters (differentiated and updated); ``buffers`` is the rest of the module
+    state, frozen parameters included: it enters the loss as a constant, so no gradient flows into it.
+    """
 
     def loss_fn(params, buffers, batch, embed, lm_head):
         model = nnx.merge(graphdef, params, buffers)
@@ -155,13 +160,19 @@ def make_train_step(graphdef, loss_cfg: LossConfig, tx: optax.GradientTransforma
 
 
 def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None, *, tc: TrainConfig,
-          loss_cfg: LossConfig, run_dir: str | os.PathLike, progress: bool = True) -> Drafter:
+          loss_cfg: LossConfig, run_dir: str | os.PathLike, progress: bool = True, trainable=nnx.Param) -> Drafter:
     """Train ``drafter`` on ``loader.batch(step)`` for ``tc.steps`` steps; resumable from ``run_dir``.
+
+    Only the parameters matched by the `flax.nnx` filter ``trainable`` are trained (default: all of them;
+    `heads.trainable_filter` names the heads or the confidence head); the others are not differentiated and
+    come back bit-identical.
 
     Checkpoints (params, optimiser state, step) go to ``run_dir/ckpt`` with Orbax every ``ckpt_every``
     steps (written to a temporary folder and renamed, so an interrupted save never corrupts the latest
     one); a restarted call resumes from the latest checkpoint and, because batches are a function of the
-    step, sees the same data it would have seen. Metrics go to ``run_dir/metrics.jsonl``.
+    step, sees the same data it would have seen. Checkpoints hold the trained parameters only: a resumed
+    call must be given the same frozen parameters (``train.train_drafter`` checks its run's configuration).
+    Metrics go to ``run_dir/metrics.jsonl``.
     """
     import orbax.checkpoint as ocp
     from tqdm import tqdm
@@ -169,7 +180,9 @@ def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None,
     run_dir = Path(run_dir).absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
     tx = make_optimizer(tc)
-    graphdef, params, buffers = nnx.split(drafter, nnx.Param, ...)
+    graphdef, params, buffers = nnx.split(drafter, trainable, ...)  # buffers: frozen parameters too
+    if not jax.tree.leaves(params):
+        raise ValueError("train: the trainable filter matches no parameter of the drafter")
     opt_state = tx.init(params)
     mgr = ocp.CheckpointManager(run_dir / "ckpt", options=ocp.CheckpointManagerOptions(max_to_keep=2))
     start = 0
@@ -184,7 +197,7 @@ def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None,
         metrics_path.unlink()
     elif start > 0 and metrics_path.exists():  # drop lines logged after the checkpoint we resume from
         kept = [l for l in metrics_path.read_text().splitlines() if l and json.loads(l)["step"] <= start]
-        metrics_path.write_text("".join(k + "\n" for k in kept))
+        atomic_write_text(metrics_path, "".join(k + "\n" for k in kept))
     bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", disable=not progress)
     t_last = time.perf_counter()
     acc: list[dict[str, Any]] = []

@@ -1,29 +1,54 @@
 """Fit Sequential Temperature Scaling for a drafter on rounds decoded from dev prompts (calibration half).
 
     python -m train.calibrate --draft runs/dspark/export --prompts ../shared/data/prompts/dev
+    python -m train.calibrate --draft dspark --out runs/dspark-calibrated   # a shipped drafter: --out needed
 
-Writes sts.json beside the drafter weights, plus calibration.json and reliability.png.
+Writes sts.json, calibration.json and reliability.png beside the drafter weights, or, with --out FOLDER, a copy
+of the drafter folder with them (what --draft FOLDER then loads). It never writes into the installed package:
+a shipped drafter (or any folder inside the package or site-packages) needs --out elsewhere.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 
 from dspark_jax import calibration
 from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.data import load_prompts
-from dspark_jax.drafters import resolve_drafter
+from dspark_jax.drafters import SHIPPED, copy_drafter, installed_package_path, resolve_drafter, shipped_dir
 from dspark_jax.evaluation import evaluate_rounds, fixed_block_rounds, pooled, split_half
 from dspark_jax.plots import plot_reliability
 from dspark_jax.timing import write_json
 
 
+def output_folder(draft: str, out: str | None) -> Path:
+    """Where the calibration goes: ``out``, else the drafter's own folder; never inside the installed package.
+
+    Raises:
+      ValueError: naming --out when the destination lies inside the installed package.
+    """
+    folder = shipped_dir(draft) if draft in SHIPPED else Path(draft)
+    if out is None:
+        if installed_package_path(folder):
+            raise ValueError(f"--draft {draft}: the drafter lives in the installed package ({folder}), which "
+                             f"calibration never writes into; pass --out FOLDER (it gets a copy of the drafter "
+                             f"with its calibration, loadable as --draft FOLDER)")
+        return folder
+    if installed_package_path(out):
+        raise ValueError(f"--out {out}: lies inside the installed package or site-packages; choose a folder "
+                         f"of your own")
+    return Path(out)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--draft", required=True, help="dspark | dflash | a drafter folder")
+    p.add_argument("--out", help="folder for the calibrated drafter (default: the drafter's own folder, which "
+                                 "must not be in the installed package)")
     add_model_arguments(p, draft=False)
-    p.add_argument("--draft", required=True, help="drafter folder (sts.json is written into it)")
     p.add_argument("--prompts", nargs="+", default=["../shared/data/prompts/dev"])
     p.add_argument("--limit", type=int, default=24, help="prompts per file from the calibration half")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -32,27 +57,42 @@ def main(argv=None):
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
+    out = output_folder(args.draft, args.out)
+    files = []
+    for f in sorted(Path(x) for x in args.prompts):
+        files += sorted(f.glob("*.jsonl")) if f.is_dir() else [f]
+    chosen_per_file = [split_half(load_prompts([g]), "calib")[: args.limit] for g in files]  # checks the files
     model = load_target(args.model, dtype=args.dtype)
     drafter, _, _, path = resolve_drafter(args.draft, target_cfg=model.cfg)
+    if args.out is None:  # the folder the drafter was actually loaded from, checked again
+        out = output_folder(str(path), None)
     prompts = []
-    for f in sorted(Path(x) for x in args.prompts):
-        files = sorted(f.glob("*.jsonl")) if f.is_dir() else [f]
-        for g in files:
-            chosen = split_half(load_prompts([g]), "calib")[: args.limit]
-            prompts += [ids for ids in (model.tokenizer.encode_chat([pr.turns[0]]) for pr in chosen)
-                        if len(ids) <= args.max_prompt_tokens]
+    for chosen in chosen_per_file:
+        prompts += [ids for ids in (model.tokenizer.encode_chat([pr.turns[0]]) for pr in chosen)
+                    if len(ids) <= args.max_prompt_tokens]
+    if not prompts:
+        raise ValueError(f"--prompts: no calibration-half prompt fits in --max-prompt-tokens "
+                         f"{args.max_prompt_tokens}")
     rounds, _ = fixed_block_rounds(model, drafter, prompts, max_new_tokens=args.max_new_tokens,
                                    temperature=args.temperature, concurrency=args.concurrency, seed=args.seed)
     logits, acc, ver = pooled(rounds)
     temps = calibration.fit_sts(logits, acc, ver)
     report = evaluate_rounds(rounds, drafter.cfg.block, temps)
-    calibration.save_temperatures(path / "sts.json", temps, {"rounds": report["rounds"], "prompts": len(prompts),
-                                                               "temperature": args.temperature, "half": "calib"})
-    write_json(path / "calibration.json", report)
-    plot_reliability([{"label": "raw", **report["reliability_raw"]}, {"label": "STS", **report["reliability_sts"]}],
-                     path / "reliability.png", title=f"{path.name}: pooled survival, {report['rounds']} rounds")
+    info = {"rounds": report["rounds"], "prompts": len(prompts), "temperature": args.temperature, "half": "calib",
+            "model": args.model}
+    same = out.absolute().resolve() == Path(path).absolute().resolve()
+    with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
+        stage = Path(path) if same else Path(tmp)  # in place for the drafter's own folder, else staged
+        calibration.save_temperatures(stage / "sts.json", temps, info)
+        write_json(stage / "calibration.json", report)
+        plot_reliability([{"label": "raw", **report["reliability_raw"]},
+                          {"label": "STS", **report["reliability_sts"]}],
+                         stage / "reliability.png", title=f"{out.name}: pooled survival, {report['rounds']} rounds")
+        if not same:
+            copy_drafter(path, out, attach=[stage / n for n in ("sts.json", "calibration.json", "reliability.png")])
     print(json.dumps({k: report[k] for k in ("accept_len", "rounds", "ece_raw", "ece_sts", "auroc")}, indent=1))
     print("temperatures:", [round(float(t), 3) for t in temps])
+    print(f"calibrated drafter: {out}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from dspark_jax.timing import write_json
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(p)
+    add_model_arguments(p)  # --model, --dtype, --draft
     p.add_argument("--prompts", nargs="+", required=True, help="JSONL files or folders")
     p.add_argument("--limit", type=int, help="prompts per file (after --half)")
     p.add_argument("--half", default="all", choices=["all", "calib", "eval"])
@@ -33,20 +33,22 @@ def main(argv=None):
     p.add_argument("--no-sts", action="store_true", help="ignore the drafter's STS temperatures")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args(argv)
+    chosen_per_file = [split_half(load_prompts([f]), args.half)[: args.limit] for f in args.prompts]
     model = load_target(args.model, dtype=args.dtype)
     drafter, meta, temps, path = resolve_drafter(args.draft, target_cfg=model.cfg)
     if args.no_sts:
         temps = None
     prompts = []
-    for f in args.prompts:
-        chosen = split_half(load_prompts([f]), args.half)[: args.limit]
+    for chosen in chosen_per_file:
         prompts += [ids for ids in (model.tokenizer.encode_chat([pr.turns[0]]) for pr in chosen)
                     if len(ids) <= args.max_prompt_tokens]
+    if not prompts:
+        raise ValueError(f"--prompts: no prompt fits in --max-prompt-tokens {args.max_prompt_tokens}")
     rounds, engine = fixed_block_rounds(model, drafter, prompts, max_new_tokens=args.max_new_tokens,
                                         temperature=args.temperature, concurrency=args.concurrency, seed=args.seed,
                                         sts_temperatures=temps)
     report = evaluate_rounds(rounds, drafter.cfg.block, temps)
-    report.update(draft=str(path), prompts=len(prompts), temperature=args.temperature,
+    report.update(draft=str(path), model=args.model, prompts=len(prompts), temperature=args.temperature,
                   max_new_tokens=args.max_new_tokens, block=drafter.cfg.block)
     print(f"{path.name}: tau {report['accept_len']:.3f} over {report['rounds']} rounds, "
           f"ECE raw {report['ece_raw']:.4f}" + (f", ECE STS {report['ece_sts']:.4f}" if report["ece_sts"] is not None else "")

@@ -2,6 +2,18 @@
 
     python -m train.train_drafter --cache runs/data/cache --run runs/dspark --kind dspark --steps 2000
     python -m train.train_drafter --cache runs/data/cache --run runs/dflash --kind dflash --steps 2000
+
+From an existing drafter (a shipped name, a folder written here, or an imported drafter that
+`drafters.resolve_drafter` loads), training only part of it on the frozen rest:
+
+    python -m train.train_drafter --cache runs/data/cache --run runs/heads --init-from dflash --train heads
+    python -m train.train_drafter --cache runs/data/cache --run runs/conf --init-from runs/heads/export \
+        --train confidence
+
+``--train heads`` trains the sequential (Markov by default, or ``--head rnn``) and confidence heads, adding
+those the source lacks, on its frozen backbone with the DSpark loss; ``--train confidence`` trains the
+confidence head alone; ``--train all`` (the default) trains everything. The run folder records its
+configuration (``run.json``); a resumed run must ask for the same drafter.
 """
 
 from __future__ import annotations
@@ -11,12 +23,40 @@ import json
 import time
 from pathlib import Path
 
+import jax
 from flax import nnx
 
-from dspark_jax import data, training
+from dspark_jax import data, heads, training
 from dspark_jax.build import add_model_arguments, load_target
+from dspark_jax.drafters import SHIPPED, resolve_drafter
 from dspark_jax.models.drafter import Drafter, DrafterConfig
 from dspark_jax.plots import plot_training
+from dspark_jax.io import atomic_write_text
+
+# Architecture options of a fresh drafter; a drafter trained --init-from takes them from its source.
+FRESH_DEFAULTS = {"layers": 2, "ffn": 1536, "block": 7, "draft_vocab": 8192}
+
+
+def check_cache_fits(cache: data.TargetCache, cache_dir: str, target_cfg) -> None:
+    """The cache's tapped states must come from this target: (taps, width) = (len(tap_layers), dim)."""
+    have = tuple(cache.taps.shape[1:])
+    want = (len(target_cfg.tap_layers), target_cfg.dim)
+    if have != want:
+        raise ValueError(f"--cache {cache_dir}: its tapped states have (taps, width) = {have}, but the target "
+                         f"has {want}; build the cache with the same --model (train.build_cache)")
+
+
+def check_resume(run: Path, record: dict) -> None:
+    """A run folder with checkpoints resumes only the drafter it was started for (same record)."""
+    path = run / "run.json"
+    if not (run / "ckpt").is_dir() or not path.is_file():
+        return
+    old = json.loads(path.read_text())
+    diff = sorted(k for k in set(old) | set(record) if old.get(k) != record.get(k))
+    if diff:
+        raise ValueError(f"--run {run}: holds checkpoints of another configuration ({', '.join(diff)} differ: "
+                         f"{ {k: old.get(k) for k in diff} } there, { {k: record.get(k) for k in diff} } now); "
+                         f"use a new --run folder or the same options")
 
 
 def main(argv=None):
@@ -24,50 +64,95 @@ def main(argv=None):
     p.add_argument("--cache", default="runs/data/cache")
     p.add_argument("--run", required=True, help="run folder (checkpoints, metrics, export)")
     p.add_argument("--kind", choices=["dspark", "dflash"], default="dspark")
-    p.add_argument("--head", choices=["markov", "rnn"], default="markov", help="sequential head for dspark")
+    p.add_argument("--head", choices=["markov", "rnn"], default=None,
+                   help="sequential head for dspark (default: markov, or the --init-from drafter's)")
     add_model_arguments(p, draft=False)
+    p.add_argument("--init-from", metavar="DRAFTER", default=None,
+                   help=f"start from this drafter ({' | '.join(SHIPPED)} | a drafter folder) instead of a fresh one")
+    p.add_argument("--train", choices=heads.TRAIN_PARTS, default="all",
+                   help="what to train: all parameters, the heads on a frozen backbone, or the confidence head "
+                        "alone (heads and confidence need --init-from)")
     p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--ffn", type=int, default=1536)
-    p.add_argument("--rank", type=int, default=256, help="Markov / RNN head rank (the spec's 256)")
-    p.add_argument("--block", type=int, default=7)
-    p.add_argument("--draft-vocab", type=int, default=8192, help="0 = full target vocabulary")
+    p.add_argument("--layers", type=int, default=None, help=f"default {FRESH_DEFAULTS['layers']}")
+    p.add_argument("--ffn", type=int, default=None, help=f"default {FRESH_DEFAULTS['ffn']}")
+    p.add_argument("--rank", type=int, default=None, help="Markov / RNN head rank (default: the spec's 256, or "
+                                                          "the --init-from drafter's)")
+    p.add_argument("--block", type=int, default=None, help=f"default {FRESH_DEFAULTS['block']}")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help=f"0 = full target vocabulary (default {FRESH_DEFAULTS['draft_vocab']})")
     p.add_argument("--blocks", type=int, default=256, help="blocks per batch")
     p.add_argument("--context-tokens", type=int, default=2048, help="context tokens per batch")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    run = Path(args.run)
-    run.mkdir(parents=True, exist_ok=True)
-    target = load_target(args.model, dtype=args.dtype)
+    # Every check that needs no model comes first.
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: expected at least 1")
+    if args.init_from is None:
+        if args.train != "all":
+            p.error(f"--train {args.train} trains part of an existing drafter: name it with --init-from DRAFTER")
+    else:
+        given = [f"--{k.replace('_', '-')}" for k in FRESH_DEFAULTS if getattr(args, k) is not None]
+        if given:
+            p.error(f"{', '.join(given)}: the architecture comes from --init-from {args.init_from}; drop them")
+        if args.init_from not in SHIPPED and not Path(args.init_from).exists():
+            raise ValueError(f"--init-from {args.init_from}: no such folder; expected one of {SHIPPED} or a "
+                             f"drafter folder")
+    if args.kind == "dflash" and args.head is not None:
+        p.error("--head: a DFlash drafter has no sequential head")
     cache = data.open_target_cache(args.cache)
+    run = Path(args.run)
+
+    target = load_target(args.model, dtype=args.dtype)
+    check_cache_fits(cache, args.cache, target.cfg)
     freqs = data.token_frequencies(cache, target.cfg.vocab_size)
-    vocab = training.choose_draft_vocab(freqs, args.draft_vocab, always=tuple(target.tokenizer.stop_ids))
-    covered = freqs[vocab].sum() / max(freqs.sum(), 1)
     dspark = args.kind == "dspark"
-    cfg = DrafterConfig.for_target(
-        target.cfg, n_layers=args.layers, ffn_dim=args.ffn, block=args.block, rank=args.rank,
-        head=args.head if dspark else "none", confidence=dspark,
-        draft_vocab_size=0 if len(vocab) == target.cfg.vocab_size else len(vocab),
-    )
-    drafter = Drafter(cfg, rngs=nnx.Rngs(args.seed), vocab_ids=vocab)
-    loader = data.BlockLoader(cache, block=args.block, blocks=args.blocks, context_tokens=args.context_tokens,
+    fresh: list[str] = []
+    if args.init_from is None:
+        arch = {k: FRESH_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k) for k in FRESH_DEFAULTS}
+        vocab = training.choose_draft_vocab(freqs, arch["draft_vocab"], always=tuple(target.tokenizer.stop_ids))
+        cfg = DrafterConfig.for_target(
+            target.cfg, n_layers=arch["layers"], ffn_dim=arch["ffn"], block=arch["block"],
+            rank=256 if args.rank is None else args.rank, head=(args.head or "markov") if dspark else "none",
+            confidence=dspark, draft_vocab_size=0 if len(vocab) == target.cfg.vocab_size else len(vocab),
+        )
+        drafter = Drafter(cfg, rngs=nnx.Rngs(args.seed), vocab_ids=vocab)
+        source = None
+    else:
+        try:
+            src, _, _, source = resolve_drafter(args.init_from, target_cfg=target.cfg)
+        except ValueError as err:
+            raise ValueError(f"--init-from {args.init_from}: {err}") from err
+        cfg = heads.head_config(src.cfg, part=args.train, kind=args.kind, head=args.head, rank=args.rank)
+        drafter, fresh = heads.extend_drafter(src, cfg, seed=args.seed)
+        vocab = jax.device_get(drafter.vocab_ids[...])
+    covered = freqs[vocab].sum() / max(freqs.sum(), 1)
+    record = {"kind": args.kind, "train": args.train, "init_from": None if source is None else str(source),
+              "config": cfg.to_dict(), "model": args.model, "seed": args.seed}
+    check_resume(run, record)
+    run.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run / "run.json", json.dumps(record, indent=1) + "\n")
+
+    trainable = heads.trainable_filter(args.train, cfg)
+    loader = data.BlockLoader(cache, block=cfg.block, blocks=args.blocks, context_tokens=args.context_tokens,
                               seed=args.seed)
-    n_params = sum(x.size for x in __import__("jax").tree.leaves(nnx.state(drafter, nnx.Param)))
-    print(f"{args.kind}: {n_params / 1e6:.2f}M trainable parameters, draft vocabulary {len(vocab)} "
-          f"({covered:.2%} of assistant tokens), {loader.num_tokens} tokens in {cache.num_sequences} sequences")
+    n_params, n_train = heads.count_params(drafter), heads.count_params(drafter, trainable)
+    print(f"{args.kind}: {n_train / 1e6:.2f}M of {n_params / 1e6:.2f}M parameters trained (--train {args.train}"
+          + (f", from {source}, new: {', '.join(fresh) or 'none'}" if source is not None else "")
+          + f"), draft vocabulary {len(vocab)} ({covered:.2%} of assistant tokens), {loader.num_tokens} tokens "
+          f"in {cache.num_sequences} sequences")
     tc = training.TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed)
-    loss_cfg = training.LossConfig() if dspark else training.LossConfig.dflash()
     t0 = time.perf_counter()
     drafter = training.train(drafter, loader, target.weights.embed, target.weights.lm_head, tc=tc,
-                             loss_cfg=loss_cfg, run_dir=run)
+                             loss_cfg=heads.loss_for(args.train, args.kind), run_dir=run, trainable=trainable)
     wall = time.perf_counter() - t0
     plot_training(run / "metrics.jsonl", run / "training.png", title=f"{args.kind} ({args.steps} steps)")
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    info = {"kind": args.kind, "steps": args.steps, "params": int(n_params), "draft_vocab_coverage": float(covered),
-            "train_tokens": loader.num_tokens, "final_tau_prob": last["tau_prob"],
-            "wall_seconds_this_run": wall, "args": vars(args)}
+    info = {"kind": args.kind, "steps": args.steps, "params": n_params, "trained_params": n_train,
+            "train": args.train, "init_from": record["init_from"], "new_params": fresh,
+            "draft_vocab_coverage": float(covered), "train_tokens": loader.num_tokens,
+            "final_tau_prob": last["tau_prob"], "wall_seconds_this_run": wall, "args": vars(args)}
     training.save_drafter(drafter, run / "export", extra={"training": info})
     print(json.dumps(info, indent=1))
 

@@ -1,0 +1,189 @@
+"""Training part of a drafter on a frozen rest (heads, confidence head), the train / calibrate / evaluate
+scripts' options and their errors on bad input, on tiny random configs."""
+
+import doctest
+import json
+import types
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax import data, drafters, heads, training
+from dspark_jax.models.drafter import Buffer, Drafter, DrafterConfig
+from dspark_jax.models.llama import LlamaConfig, LlamaModel
+from tests.test_training import TARGET, fake_cache, loader_for, tiny_drafter
+from train import calibrate, evaluate, train_drafter
+
+
+def flat(module, what=nnx.Param) -> dict[str, np.ndarray]:
+    return {"/".join(map(str, p)): np.array(v[...]) for p, v in nnx.to_flat_state(nnx.state(module, what))}
+
+
+def test_doctests():
+    for module in (heads, drafters):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+def test_confidence_part_trains_only_the_confidence_head(tmp_path):
+    w, cache = fake_cache()
+    src = tiny_drafter()  # Markov + confidence heads, W2 not zero
+    cfg = heads.head_config(src.cfg, part="confidence")
+    assert cfg == src.cfg
+    d, fresh = heads.extend_drafter(src, cfg)
+    assert fresh == []
+    before, buffers = flat(d), flat(d, Buffer)
+    np.testing.assert_equal(before, flat(src))
+    tc = training.TrainConfig(steps=3, lr=1e-2, log_every=3, ckpt_every=3)
+    out = training.train(d, loader_for(cache), w.embed, None, tc=tc, loss_cfg=heads.loss_for("confidence"),
+                         run_dir=tmp_path / "run", progress=False, trainable=heads.trainable_filter("confidence", cfg))
+    after = flat(out)
+    changed = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert changed == {"conf/kernel", "conf/bias"}  # the Markov head (w1, w2) and the backbone bit-identical
+    np.testing.assert_equal(flat(out, Buffer), buffers)
+
+
+def write_cache(cache, folder):
+    """A `TargetCache` on disk in `data.build_target_cache`'s layout (one shard)."""
+    folder.mkdir(parents=True)
+    stem = folder / "chunk_00000"
+    np.save(f"{stem}.tokens.npy", cache.tokens)
+    np.save(f"{stem}.taps.npy", cache.taps.view(np.uint16))
+    np.save(f"{stem}.final.npy", cache.final)
+    np.save(f"{stem}.lse.npy", cache.lse)
+    seqs = [{"index": i, "domain": "x", "prompt_length": int(p), "length": int(n)}
+            for i, (p, n) in enumerate(zip(cache.prompt_lengths, cache.lengths))]
+    index = {"shards": [{"shard": stem.name, "sequences": seqs}], "tap_layers": [0, 1, 2, 3, 4], "dim": TARGET.dim}
+    (folder / "index.json").write_text(json.dumps(index))
+    return folder
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    """A tiny target (what the scripts' `load_target` returns here), its cache on disk, a DFlash-style source."""
+    w, cache = fake_cache()
+    target = LlamaModel(TARGET, w, types.SimpleNamespace(stop_ids=(0,)))
+    monkeypatch.setattr(train_drafter, "load_target", lambda model=None, dtype=None: target)
+    cache_dir = write_cache(cache, tmp_path / "cache")
+    src = training.save_drafter(tiny_drafter(head="none", confidence=False), tmp_path / "dflash")
+    return types.SimpleNamespace(tmp=tmp_path, target=target, cache=str(cache_dir), src=src)
+
+
+def run_args(s, *extra):
+    return ["--cache", s.cache, "--run", str(s.tmp / "run"), "--blocks", "8", "--context-tokens", "64",
+            "--lr", "1e-2", *extra]
+
+
+def test_heads_from_a_dflash_drafter_on_its_frozen_backbone(setup, monkeypatch):
+    s = setup
+    # One bucket that fits the fake sequences keeps the test to one compiled step.
+    loader = data.BlockLoader
+    monkeypatch.setattr(data, "BlockLoader", lambda cache, **kw: loader(cache, buckets=(32,), **kw))
+    args = run_args(s, "--init-from", str(s.src), "--train", "heads", "--rank", "4", "--steps", "3")
+    train_drafter.main(args)
+    export = s.tmp / "run" / "export"
+    meta = json.loads((export / "config.json").read_text())
+    assert meta["config"]["head"] == "markov" and meta["config"]["confidence"] and meta["config"]["rank"] == 4
+    assert sorted(meta["training"]["new_params"]) == ["conf/bias", "conf/kernel", "w1/embedding", "w2/kernel"]
+    old, new = dict(np.load(s.src / "weights.npz")), dict(np.load(export / "weights.npz"))
+    for k, v in old.items():  # the backbone (float16 both times) is bit-identical
+        np.testing.assert_array_equal(new[k], v, err_msg=k)
+    assert np.any(new["w2/kernel"] != 0)  # the Markov head starts at zero and moved
+    fresh, _ = heads.extend_drafter(training.load_drafter(s.src)[0], heads.head_config(
+        training.load_drafter(s.src)[0].cfg, rank=4))
+    init = {k: v.astype(np.float16) for k, v in flat(fresh).items()}
+    for k in ("conf/kernel", "w1/embedding"):
+        assert not np.array_equal(new[k], init[k]), k
+    drafter, _, temps, _ = drafters.resolve_drafter(str(export), target_cfg=TARGET)
+    assert drafter.cfg.head == "markov" and temps is None
+    # The same command again resumes the finished run (nothing left to train); other options are refused.
+    train_drafter.main(args)
+    with pytest.raises(ValueError, match="another configuration.*train"):
+        train_drafter.main(run_args(s, "--init-from", str(s.src), "--train", "all", "--rank", "4", "--steps", "3"))
+
+
+def fail_if_reached(*a, **k):
+    raise AssertionError("reached long work")
+
+
+@pytest.mark.parametrize("extra, error", [
+    (["--train", "everything"], "invalid choice: 'everything'"),
+    (["--train", "heads"], "--train heads trains part of an existing drafter"),
+    (["--init-from", "dflash", "--layers", "3"], "--layers: the architecture comes from --init-from"),
+    (["--kind", "dflash", "--head", "rnn"], "--head: a DFlash drafter has no sequential head"),
+])
+def test_bad_options_stop_at_parsing(setup, monkeypatch, capsys, extra, error):
+    monkeypatch.setattr(train_drafter, "load_target", fail_if_reached)
+    with pytest.raises(SystemExit):
+        train_drafter.main(run_args(setup, *extra))
+    assert error in capsys.readouterr().err
+
+
+def test_bad_inputs_fail_before_training(setup, monkeypatch):
+    s = setup
+    monkeypatch.setattr(train_drafter.training, "train", fail_if_reached)
+    with pytest.raises(ValueError, match="--init-from .*missing.*: no such folder"):
+        train_drafter.main(run_args(s, "--init-from", str(s.tmp / "missing"), "--train", "heads"))
+    wide_cfg = LlamaConfig.tiny(dim=48)
+    other = training.save_drafter(Drafter(DrafterConfig.for_target(wide_cfg, n_layers=1, ffn_dim=16, rank=4),
+                                          rngs=nnx.Rngs(0)), s.tmp / "other")
+    with pytest.raises(ValueError, match=r"--init-from .*other.*built for a target with \(vocab, width, taps\)"):
+        train_drafter.main(run_args(s, "--init-from", str(other), "--train", "heads"))
+    with pytest.raises(ValueError, match="--train confidence keeps the sequential head frozen.*no sequential"):
+        train_drafter.main(run_args(s, "--init-from", str(s.src), "--train", "confidence"))
+    markov = training.save_drafter(tiny_drafter(), s.tmp / "markov")
+    with pytest.raises(ValueError, match="--head rnn: the source drafter has a trained markov head"):
+        train_drafter.main(run_args(s, "--init-from", str(markov), "--train", "heads", "--head", "rnn"))
+    with pytest.raises(ValueError, match="--rank 8: the source drafter's Markov embedding has rank 4"):
+        train_drafter.main(run_args(s, "--init-from", str(markov), "--train", "heads", "--rank", "8"))
+    with pytest.raises(ValueError, match="--kind dflash: the source drafter has a markov"):
+        train_drafter.main(run_args(s, "--init-from", str(markov), "--kind", "dflash"))
+    wide = types.SimpleNamespace(cfg=wide_cfg)  # the cache is checked against the target before any weight is used
+    monkeypatch.setattr(train_drafter, "load_target", lambda model=None, dtype=None: wide)
+    with pytest.raises(ValueError, match=r"--cache .*\(taps, width\) = \(5, 32\), but the target has \(5, 48\)"):
+        train_drafter.main(run_args(s, "--init-from", str(markov), "--train", "heads"))
+
+
+def test_calibrate_never_writes_into_the_package(monkeypatch, tmp_path):
+    monkeypatch.setattr(calibrate, "load_target", fail_if_reached)
+    with pytest.raises(ValueError, match="--draft dspark: the drafter lives in the installed package.*--out"):
+        calibrate.main(["--draft", "dspark"])
+    inside = drafters.shipped_dir("dspark").parent / "mine"
+    with pytest.raises(ValueError, match="--out .*mine: lies inside the installed package"):
+        calibrate.main(["--draft", "dflash", "--out", str(inside)])
+    assert not inside.exists()
+    # A user folder is the default destination; prompts are checked before the model loads.
+    with pytest.raises(ValueError, match="prompts: .*nothing.jsonl is neither"):
+        calibrate.main(["--draft", str(tmp_path), "--prompts", str(tmp_path / "nothing.jsonl")])
+
+
+@pytest.mark.parametrize("script, extra", [(calibrate, ["--draft", "dflash", "--out", "x"]), (evaluate, [])])
+def test_scripts_load_the_named_model(monkeypatch, tmp_path, script, extra):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["hi"]}\n{"turns": ["ho"]}\n')
+    seen = {}
+
+    def load(model=None, dtype=None):
+        seen.update(model=model, dtype=dtype)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(script, "load_target", load)
+    with pytest.raises(KeyboardInterrupt):
+        script.main([*extra, "--prompts", str(prompts), "--model", "m.gguf", "--dtype", "bfloat16"])
+    assert seen == {"model": "m.gguf", "dtype": "bfloat16"}
+
+
+def test_copy_drafter_adds_the_calibration_atomically(tmp_path):
+    sts = tmp_path / "sts.json"
+    sts.write_text(json.dumps({"temperatures": [1.0, 2.0, 0.5, 1, 1, 1, 1]}))
+    out = drafters.copy_drafter(drafters.shipped_dir("dflash"), tmp_path / "cal", attach=[sts])
+    for name in ("config.json", "weights.npz"):
+        assert (out / name).read_bytes() == (drafters.shipped_dir("dflash") / name).read_bytes()
+    assert (out / "sts.json").read_bytes() == sts.read_bytes()  # where resolve_drafter looks for it
+    drafters.copy_drafter(drafters.shipped_dir("dflash"), out)  # replaces a drafter folder
+    assert not (out / "sts.json").exists()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("mine")
+    with pytest.raises(ValueError, match="notes exists and is not a drafter folder"):
+        drafters.copy_drafter(drafters.shipped_dir("dflash"), tmp_path / "notes")
