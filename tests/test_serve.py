@@ -173,6 +173,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(served):
 
 def test_overfilled_queue_refuses_the_excess_and_completes_the_rest(served):
     worker = served.worker
+    received = metric(served, "dspark_requests_received_total")
     worker.max_queued = 3
     try:
         async def flood():
@@ -185,7 +186,9 @@ def test_overfilled_queue_refuses_the_excess_and_completes_the_rest(served):
     finally:
         worker.max_queued = 64
     codes = [r.status_code for r in responses]
-    assert set(codes) <= {200, 429} and codes.count(429) >= 1 and codes.count(200) >= SLOTS
+    # at least the queue's 3 are accepted (more when the engine admits some to slots during the flood)
+    assert set(codes) <= {200, 429} and codes.count(429) >= 1 and codes.count(200) >= 3
+    assert metric(served, "dspark_requests_received_total") == received + codes.count(200)
     texts = {r.json()["choices"][0]["text"] for r in responses if r.status_code == 200}
     assert len(texts) == 1  # every accepted one completed, with the same greedy answer
     assert all(r.json()["error"]["code"] == "queue_full" for r in responses if r.status_code == 429)

@@ -77,7 +77,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code

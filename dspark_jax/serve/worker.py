@@ -118,7 +118,7 @@ class EngineWorker:
         self._stopping = False
         self._metrics = Metrics()
         self._new_tokens: dict[int, list[int]] = {}
-        self._finished_seen = 0
+        self._finished_seen = len(engine.finished_ids)  # the engine may have served before this worker
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # what ended the thread, if it failed
         engine.on_token = self._on_token
@@ -155,7 +155,8 @@ class EngineWorker:
         with self._lock:
             if self._stopping or not self.alive:
                 self._metrics.requests_rejected += 1
-                raise ShuttingDown("the server is shutting down" if self._stopping else "the engine has stopped")
+                raise ShuttingDown(f"the engine failed: {self.error!r}" if self.error is not None else
+                                   "the server is shutting down" if self._stopping else "the engine has stopped")
             if len(self._inbox) + self._engine_pending >= self.max_queued:
                 self._metrics.requests_rejected += 1
                 raise QueueFull(f"{self.max_queued} requests are already waiting (--max-queued-requests)")
@@ -282,8 +283,8 @@ class EngineWorker:
             m.running = int((eng.slot_request >= 0).sum())
             for rid in finished:
                 req = self._by_id.get(rid)
-                c = eng.requests[rid]
-                if req is None or c.cancelled:
+                c = eng.requests.get(rid)
+                if req is None or c is None or c.cancelled:
                     continue
                 reason = "stop" if c.finished_by_stop else "length"
                 self._finish(req, reason)
