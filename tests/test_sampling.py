@@ -95,7 +95,7 @@ def test_sampled_rows_follow_their_own_law_beside_greedy_rows():
     top_p(softmax(logits / 15)) exactly (chi-square at p = 0.001); the greedy ones all give the argmax path."""
     model = make_model(vocab=4, scale=0.15, seed=1)
     d = make_drafter(model, seed=2, block=3)
-    prompt, m, n_req = [1, 2, 3, 1], 2, 600
+    prompt, m, n_req = [1, 2, 3, 1], 3, 600  # m = 3: two drafts fit the budget after the first token
     law = exact_law(model, prompt, m, 4, 15.0, 0.8)
     assert (law == 0).any() and (law > 0.02).sum() >= 6  # the nucleus removes some outcomes, keeps several
     e = eng.Engine(model, d, "fixed:2", eng.EngineConfig(num_slots=8, capacity=32, seed=5), stop_ids=[])

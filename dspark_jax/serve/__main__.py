@@ -28,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the model id clients pass (default: the model file or folder "
                                                "name without its extension)")
     p.add_argument("--num-slots", type=int, default=16, help="requests decoded together")
-    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longest prompt (sizes the cache)")
-    p.add_argument("--max-new-tokens", type=int, default=512,
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longest prompt (sizes the cache)")
+    p.add_argument("--max-new-tokens", type=int, default=256,
                    help="the output budget of a request that gives no max_tokens (sizes the cache)")
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="accepted requests that may wait for a slot; more are refused with 429")
