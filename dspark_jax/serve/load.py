@@ -28,8 +28,8 @@ class HTTPLoadResult:
     seconds: float
     requests: int  # requests that ended inside the window
     errors: int  # non-200 answers
-    ttft: list[float]  # seconds from send to the first token, requests sent inside the window
-    itl: list[float]  # seconds between consecutive token chunks inside the window
+    ttft: list[float]  # seconds from send to the first token, for first tokens that arrived inside the window
+    itl: list[float]  # seconds between consecutive token chunks of a request, for chunks inside the window
 
 
 def percentiles(values: Sequence[float], qs=(50, 90, 99)) -> dict[str, float]:
@@ -106,9 +106,9 @@ async def http_closed_loop(url: str, model: str, prompts: Sequence[Sequence[int]
                         usage = obj["usage"]["completion_tokens"]
                     if any(ch.get("text") for ch in obj.get("choices", ())):
                         now = time.perf_counter()
-                        if last is None and in_window(sent):
+                        if last is None and in_window(now):
                             ttft.append(now - sent)
-                        elif last is not None and in_window(last):
+                        elif last is not None and in_window(now):
                             itl.append(now - last)
                         last = now
                         chunks += 1
@@ -117,7 +117,7 @@ async def http_closed_loop(url: str, model: str, prompts: Sequence[Sequence[int]
                         return  # hang up: the server cancels the request
             if usage is not None and usage > chunks:
                 arrived(usage - chunks, time.perf_counter())
-            if in_window(sent):
+            if in_window(time.perf_counter()):
                 state["requests"] += 1
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
