@@ -6,7 +6,8 @@ in-process closed loop on the same engine, in one run.
     python -m profiling.bench_http --url http://127.0.0.1:8000 --served-model-name SmolLM2-135M-Instruct
 
 For each policy and N: first the in-process closed loop (`dspark_jax.serving.ClosedLoop`: N users, each sending
-its next prompt when its answer ends; tokens/s over the rounds that compiled nothing, and over the wall time),
+its next prompt when its answer ends; tokens/s over the rounds that compiled nothing, and over the wall time
+less those rounds),
 then the same engine behind the server on 127.0.0.1 with N streaming HTTP clients sending the same prompts
 (`dspark_jax.serve.load.http_closed_loop`): tokens/s over a window of wall time, time to first token and
 inter-token latency percentiles. ``ratio_http`` is the HTTP throughput over the in-process loop's (rounds);
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="drive this running server instead (HTTP side only)")
     p.add_argument("--served-model-name", help="with --url: the model id the server serves")
     p.add_argument("--api-key", help="with --url: the server's API key")
+    p.add_argument("--warm-up", action="store_true",
+                   help="compile every round program before measuring (else the warm-up tokens must cover it)")
     p.add_argument("--quick", action="store_true", help="none and dspark at 1 and 4 clients, short windows")
     p.add_argument("--json", metavar="PATH", help="write the rows and the machine as JSON")
     return p
@@ -69,9 +72,13 @@ def inprocess(engine, prompts, n, max_new, warmup_tokens, measure_tokens) -> dic
     rounds = loop.run_until(warmup_tokens + measure_tokens)
     wall = time.perf_counter() - t0
     res = summarize_windows([rounds])
+    # wall clock without the rounds that compiled (their time is compile time)
+    compiled = [r for r in rounds if r.compiled]
+    wall -= sum(r.seconds for r in compiled)
+    tokens = loop.emitted - start - sum(r.emitted for r in compiled)
     while not engine.idle():  # finish what the users still had in flight
         engine.step()
-    return {"inproc_tokens_per_s": res.tokens_per_s, "inproc_wall_tokens_per_s": (loop.emitted - start) / wall,
+    return {"inproc_tokens_per_s": res.tokens_per_s, "inproc_wall_tokens_per_s": tokens / wall,
             "inproc_compiled_rounds": res.compiled_rounds, "accept_len": res.accept_len}
 
 
@@ -126,6 +133,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             engine = build_engine(target, pol, draft=loaded, sps=args.sps, num_slots=max(args.concurrency),
                                   max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, model_name=target_name(args.model))
+            if args.warm_up:
+                engine.warm_up(max(len(p) for p in prompts))
             for n in args.concurrency:
                 row = {"policy": pol, "N": n}
                 row.update(inprocess(engine, prompts, n, args.max_new_tokens, args.warmup_tokens,
