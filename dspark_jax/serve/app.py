@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import socket
 import threading
 import time
@@ -382,8 +383,6 @@ class _KeyCheck:
 
 
 def _sse(obj: dict) -> str:
-    import json  # noqa: PLC0415
-
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
