@@ -11,7 +11,6 @@ import re
 import time
 import types
 
-import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
