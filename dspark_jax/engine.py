@@ -28,8 +28,15 @@ and ``dspark-async`` (capacity K by the greedy-path argmax over the confidences 
 the top-K drafts by current survival). All are lossless: whether draft ``x_k`` is verified never depends on
 ``x_k`` itself. The argmax over fresh confidences is deliberately not offered (spec appendix A).
 
-Randomness: every draw uses a key folded from (seed, request id, position), so a request's output does not
-depend on what else is in the batch.
+Sampling is per request (`SamplingParams`, given to `Engine.submit`): each slot holds its request's
+temperature, top-p and seed, so greedy and sampled requests share a round and each is verified exactly
+against its own target law (``top_p(softmax(logits / T))``; argmax at temperature 0). A round whose rows
+are all greedy runs the greedy programs; otherwise each row accepts by its own rule.
+
+Randomness: every draw uses a key folded from (the request's seed, its key id, position): the key id is the
+request id (the engine's seed for requests without one) or, for a request with its own seed, a fixed value,
+so the same seeded request draws the same random numbers whatever else is in the batch and whenever it
+runs (its tokens repeat exactly where the draft lengths do: policies ``none`` and ``fixed:K``).
 
 Axis legend: S slots, R rows of a round, G block, T packed tokens, V vocabulary, W draft vocabulary.
 """
@@ -62,7 +69,8 @@ from dspark_jax.models.llama import (
     prefill_chunks,
 )
 
-__all__ = ["Policy", "parse_policy", "POLICY_NAMES", "EngineConfig", "Engine", "RoundStats", "Completion"]
+__all__ = ["Policy", "parse_policy", "POLICY_NAMES", "EngineConfig", "Engine", "RoundStats", "Completion",
+           "SamplingParams"]
 
 POLICY_NAMES = ("none", "fixed:K", "threshold:C", "dspark", "dspark-async")
 
@@ -194,6 +202,46 @@ class EngineConfig:
     window_rule: str = "step"
 
 
+SEEDED_KEY_ID = -1  # the key id of a request with its own seed (request ids are >= 0, so streams never meet)
+MAX_SEED = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings (`Engine.submit`); None takes the engine's `EngineConfig` value.
+
+    Attributes:
+      temperature: >= 0; 0 is greedy (the target's argmax, token for token plain greedy decoding).
+      top_p: in (0, 1]: sample from the smallest set of most likely tokens whose probability reaches
+        ``top_p`` (renormalised); 1 keeps every token.
+      seed: in [0, 2**31 - 1]: the request's random stream depends on this seed and the positions alone
+        (not on its id or the batch). None: the engine's seed and the request id.
+      stop_token_ids: tokens that end this request (with the engine's own stop ids); the stop token is
+        the last output token, as for the engine's stop ids.
+
+    >>> SamplingParams(temperature=0.7, top_p=0.9, seed=3).top_p
+    0.9
+    """
+
+    temperature: float | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        t = self.temperature
+        if t is not None and not (isinstance(t, (int, float, np.floating)) and np.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {t!r}")
+        if not (isinstance(self.top_p, (int, float, np.floating)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not (isinstance(self.seed, (int, np.integer)) and 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed: expected None or an integer in [0, {MAX_SEED}], got {self.seed!r}")
+        ids = tuple(self.stop_token_ids)
+        if not all(isinstance(i, (int, np.integer)) and i >= 0 for i in ids):
+            raise ValueError(f"stop_token_ids: expected token ids >= 0, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class EngineState:
@@ -203,7 +251,10 @@ class EngineState:
     dcache: Any  # DrafterCache or None
     anchor: jax.Array  # int32 [S] last emitted token, not yet in the cache
     active: jax.Array  # bool [S]
-    request: jax.Array  # int32 [S] request id (for the random keys)
+    request: jax.Array  # int32 [S] key id: request id, or SEEDED_KEY_ID for a request with its own seed
+    seed: jax.Array  # int32 [S] the request's seed (the engine's unless it gave one)
+    temperature: jax.Array  # float32 [S] the request's temperature (0: greedy)
+    top_p: jax.Array  # float32 [S] the request's nucleus mass (1: all tokens)
     generated: jax.Array  # int32 [S] tokens emitted so far
     max_new: jax.Array  # int32 [S]
     conf_hist: jax.Array  # float32 [2, S, G] calibrated confidences of the last two rounds (0 = latest)
@@ -285,12 +336,18 @@ class Completion:
     prompt_ids: list[int]
     output_ids: list[int]
     finished_by_stop: bool
+    cancelled: bool = False  # ended by `Engine.cancel` (its output is what it had emitted by then)
 
 
 def _key(seed, stream: int, request, position):
-    """PRNG key per (seed, stream, request, position); vectorised over request/position arrays."""
-    base = jax.random.fold_in(jax.random.key(seed), stream)
-    return jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(base, r), p))(request, position)
+    """PRNG key per (seed, stream, request, position); vectorised over request/position arrays [R], the seed
+    a scalar or one per row [R]."""
+    seeds = jnp.broadcast_to(jnp.asarray(seed, jnp.int32), jnp.shape(request))
+
+    def one(s, r, p):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(s), stream), r), p)
+
+    return jax.vmap(one)(seeds, request, position)
 
 
 def _window(n: int, capacity: int, rule: str) -> int:
@@ -347,7 +404,7 @@ class Engine:
         self._policy_value = jnp.float32(self.policy.value)
         if config.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {config.temperature}")
-        self.greedy = config.temperature == 0
+        self.greedy = config.temperature == 0  # the default of requests without their own temperature
         S = config.num_slots
         self.G = self.drafter.cfg.block if self.drafter is not None else 1
         if S < 1:
@@ -410,10 +467,12 @@ class Engine:
         self.slot_request = np.full(S, -1)
         self.slot_length = np.zeros(S, np.int64)
         self.slot_context = np.zeros(S, bool)  # the request in the slot has the drafter's context
+        self.slot_greedy = np.ones(S, bool)  # the request in the slot decodes greedily (temperature 0)
+        self._extra_stops: dict[int, frozenset[int]] = {}  # request id -> its own stop token ids
         self.admissions = {"context": 0, "no_context": 0}  # requests admitted with and without it
         self.drafter_offs: list[tuple[int, int]] = []  # (round index, row bucket) where the drafter was switched off
         self.requests: dict[int, Completion] = {}
-        self.pending: deque[tuple[int, list[int], int]] = deque()
+        self.pending: deque[tuple[int, list[int], int, SamplingParams]] = deque()
         self.next_id = 0
         self.rounds: list[RoundStats] = []
         self.finished_ids: list[int] = []  # in the order requests finished
@@ -443,14 +502,28 @@ class Engine:
         return EngineState(
             cache=cache, dcache=dcache, anchor=jnp.zeros(S, jnp.int32), active=jnp.zeros(S, bool),
             request=jnp.zeros(S, jnp.int32), generated=jnp.zeros(S, jnp.int32), max_new=jnp.zeros(S, jnp.int32),
+            seed=jnp.full(S, c.seed, jnp.int32), temperature=jnp.full(S, c.temperature, jnp.float32),
+            top_p=jnp.ones(S, jnp.float32),
             conf_hist=jnp.full((2, S, self.G), c.prior_confidence, jnp.float32),
             conf_ema=jnp.broadcast_to(self._prior_survival(), (S, self.G)), skipped=jnp.int32(0),
             conf_global=self._prior_survival(), accept_seen=jnp.full((2,), ACCEPT_PRIOR, jnp.float32),
         )
 
     # ------------------------------------------------------------------------------------------------ requests
-    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int) -> int:
-        """Queue a request (chat template already applied); returns its id."""
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None) -> int:
+        """Queue a request (chat template already applied); returns its id.
+
+        Args:
+          prompt_ids: the prompt's token ids.
+          max_new_tokens: at most this many output tokens (>= 1).
+          sampling: the request's `SamplingParams` (default: the engine's temperature and seed, top-p 1).
+        Raises:
+          ValueError: an empty prompt, a budget < 1, a request the slot capacity cannot hold, bad sampling.
+        """
+        if sampling is None:
+            sampling = SamplingParams()
+        elif not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling: expected a SamplingParams or None, got {type(sampling).__name__}")
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("prompt_ids: expected at least one token")
@@ -463,8 +536,51 @@ class Engine:
         rid = self.next_id
         self.next_id += 1
         self.requests[rid] = Completion(rid, prompt_ids, [], False)
-        self.pending.append((rid, prompt_ids, int(max_new_tokens)))
+        if sampling.stop_token_ids:
+            self._extra_stops[rid] = frozenset(sampling.stop_token_ids)
+        self.pending.append((rid, prompt_ids, int(max_new_tokens), sampling))
         return rid
+
+    def cancel(self, request_id: int) -> bool:
+        """End a request between rounds (a client gone, a stop string found): a queued one leaves the queue, an
+        active one frees its slot for the next admission. Its `Completion` keeps what it emitted, with
+        ``cancelled`` set, and it counts as finished. Returns False when it had already finished.
+
+        Raises:
+          ValueError: an id this engine never gave.
+        """
+        if request_id not in self.requests:
+            raise ValueError(f"cancel: no request {request_id!r} (ids are those submit returned)")
+        done = False
+        for i, item in enumerate(self.pending):
+            if item[0] == request_id:
+                del self.pending[i]
+                done = True
+                break
+        if not done:
+            slots = np.flatnonzero(self.slot_request == request_id)
+            if not slots.size:
+                return False
+            self._release(int(slots[0]))
+        self.requests[request_id].cancelled = True
+        self._extra_stops.pop(request_id, None)
+        self.finished_ids.append(request_id)
+        return True
+
+    def _release(self, slot: int) -> None:
+        """Free ``slot`` (host mirror and device state); its cache rows are overwritten by the next admission."""
+        self.slot_request[slot] = -1
+        self.state = _free_slot(self.state, jnp.int32(slot))
+
+    def _stop_cut(self, rid: int, tokens) -> int | None:
+        """With the request's own stop ids: the number of ``tokens`` up to and including the first of them, else
+        None."""
+        stops = self._extra_stops.get(rid)
+        if stops:
+            for i, t in enumerate(tokens):
+                if int(t) in stops:
+                    return i + 1
+        return None
 
     def _emit(self, rid: int, tokens) -> None:
         out = self.requests[rid].output_ids
@@ -480,21 +596,24 @@ class Engine:
         load = int((self.slot_request >= 0).sum()) + min(len(free), len(self.pending))  # once these have joined
         while free and self.pending:
             s = free[0]
-            rid, prompt, max_new = self.pending.popleft()
+            rid, prompt, max_new, sampling = self.pending.popleft()
             context = self._admission_context(load)
-            first, done = self._prefill(s, rid, prompt, max_new, context=context)
+            first, done = self._prefill(s, rid, prompt, max_new, sampling, context=context)
             if self.drafter is not None:
                 self.admissions["context" if context else "no_context"] += 1
             self._emit(rid, [first])
             emitted += 1
             if done:
-                self.requests[rid].finished_by_stop = bool(np.isin(first, self.stop_ids))
+                self.requests[rid].finished_by_stop = bool(np.isin(first, self.stop_ids)) or (
+                    self._stop_cut(rid, [first]) is not None)
+                self._extra_stops.pop(rid, None)
                 self.finished_ids.append(rid)
                 continue
             free.pop(0)
             self.slot_request[s] = rid
             self.slot_length[s] = len(prompt)
             self.slot_context[s] = context
+            self.slot_greedy[s] = self._row_sampling(rid, sampling)[0] == 0
         return emitted
 
     def _admission_context(self, load: int) -> bool:
@@ -531,18 +650,27 @@ class Engine:
             self.slot_context[:] = False  # the active requests drop theirs: plain decoding's programs from now
             self.drafter_offs.append((len(self.rounds), R))
 
-    def _prefill(self, slot: int, rid: int, prompt: list[int], max_new: int, *, context: bool = True
-                 ) -> tuple[int, bool]:
+    def _row_sampling(self, rid: int, sampling: SamplingParams) -> tuple[float, float, int, int]:
+        """(temperature, top-p, seed, key id) of a request's slot."""
+        temp = self.cfg.temperature if sampling.temperature is None else float(sampling.temperature)
+        if sampling.seed is None:
+            return temp, float(sampling.top_p), self.cfg.seed, rid
+        return temp, float(sampling.top_p), int(sampling.seed), SEEDED_KEY_ID
+
+    def _prefill(self, slot: int, rid: int, prompt: list[int], max_new: int, sampling: SamplingParams | None = None,
+                 *, context: bool = True) -> tuple[int, bool]:
         """Chunked prefill of the prompt into ``slot`` (target cache and, with ``context``, the drafter's);
         first token."""
         st = self.state
+        temp, top_p, seed, key_id = self._row_sampling(rid, sampling or SamplingParams())
         logits, cache, dcache = self._prefill_caches(st.cache, st.dcache, slot, prompt,
                                                      write_context=self.drafter is not None and context)
-        first = int(_sample_first(logits, jnp.int32(rid), jnp.int32(len(prompt)), jnp.float32(self.cfg.temperature),
-                                  seed=self.cfg.seed, greedy=self.greedy))
-        finished = max_new <= 1 or bool(np.isin(first, self.stop_ids))
-        self.state = _admit_slot(st.replace(cache=cache, dcache=dcache), jnp.int32(slot), jnp.int32(rid),
-                                 jnp.int32(first), jnp.int32(max_new), jnp.bool_(not finished))
+        first = int(_sample_first(logits, jnp.int32(key_id), jnp.int32(len(prompt)), jnp.float32(temp),
+                                  jnp.float32(top_p), jnp.int32(seed), greedy=temp == 0))
+        finished = max_new <= 1 or bool(np.isin(first, self.stop_ids)) or self._stop_cut(rid, [first]) is not None
+        self.state = _admit_slot(st.replace(cache=cache, dcache=dcache), jnp.int32(slot), jnp.int32(key_id),
+                                 jnp.int32(first), jnp.int32(max_new), jnp.bool_(not finished), jnp.int32(seed),
+                                 jnp.float32(temp), jnp.float32(top_p))
         return first, finished
 
     def _prefill_caches(self, cache, dcache, slot: int, prompt: Sequence[int], *, write_context: bool):
@@ -561,18 +689,23 @@ class Engine:
             done += take
         return logits, cache, dcache
 
-    def warm_up(self, max_prompt_tokens: int) -> int:
+    def warm_up(self, max_prompt_tokens: int, *, sampled: bool | None = None) -> int:
         """Compile every program a run with prompts up to ``max_prompt_tokens`` can need (all row buckets,
         token buckets and attention windows), so that no round compiles afterwards. Returns the number of
-        round shapes compiled. Leaves the engine's requests and counters untouched."""
+        round shapes compiled. Leaves the engine's requests and counters untouched.
+
+        ``sampled``: also compile the programs of rounds with sampled requests (temperature > 0, through
+        `SamplingParams`) for an engine whose default is greedy (a server); None: only the engine's default."""
         if not self.idle():
             raise ValueError("warm_up: the engine must be idle")
         S, G, cap = self.cfg.num_slots, self.G, self.cfg.capacity
         # prefill chunks and the first-token sampler, on slot 0 (then released)
         for size in sorted({size for n in range(1, max_prompt_tokens + 1) for size, _ in prefill_chunks(n)}):
             self._prefill(0, 0, [1] * min(size, max_prompt_tokens), 1)
-        self.state = _admit_slot(self.state, jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.int32(1), jnp.bool_(False))
-        temp = jnp.float32(self.cfg.temperature)
+            if sampled and self.greedy:
+                self._prefill(0, 0, [1] * min(size, max_prompt_tokens), 1, SamplingParams(temperature=1.0))
+        self.state = _free_slot(self.state, jnp.int32(0))
+        modes = [self.greedy] + ([False] if sampled and self.greedy else [])
         drafting = self.drafter is not None
         shapes = 0
         longest = range(1, cap + 1)  # contexts grow during decoding: every window up to the capacity
@@ -580,44 +713,45 @@ class Engine:
         windows = sorted({_window(n + G + 1, cap, rule) for n in longest})
         draft_windows = sorted({_window(n, cap, rule) for n in longest})
         scale = jnp.ones((2,), jnp.float32)
-        R = 1
-        while True:
-            if drafting:
-                for w in draft_windows:
-                    d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed,
-                                            self.head_w, self.temps, self.sps, self.cost, scale, temp,
-                                            self._policy_value, seed=self.cfg.seed, capacity=cap, R=R,
-                                            policy=self._policy_kind,
-                                            greedy=self.greedy, probe_every=self.cfg.gate_probe_every,
-                                            probe_budget=self.cfg.gate_probe_budget, context=w,
-                                            fill=self.cfg.fill_buckets, margin=self.cfg.gate_margin)
-            else:
-                d = None
-            self._round_conf(None, R)  # the arrays a round that skips the draft program passes
-            conf, drafted_arr = self._round_conf(d, R)
-            lo = R // 2 + 1
-            hi = R * (G + 1) if drafting else R
-            plain = {(bucket_for(b), 1) for b in range(lo, R + 1)}  # rounds without drafts: B = n
-            spec = {(bucket_for(b), G + 1) for b in range(lo + 1, hi + 1)} if drafting else set()
-            kinds = [(T, per_slot, drafting) for T, per_slot in sorted(plain | spec)]
-            if self._may_drop_context:  # rounds where no request has the drafter's context: none's programs
-                kinds += [(T, 1, False) for T, _ in sorted(plain)]
-            for T, per_slot, ctx in kinds:
-                for w in windows:
-                    self.state, out = _verify_and_commit(
-                        self.target.weights, self.state, d if per_slot > 1 else None, conf if ctx else None,
-                        drafted_arr if ctx else None, self.d_graph if ctx else None, self.d_state if ctx else None,
-                        self.draft_vocab if ctx else None, temp, jnp.asarray(self.stop_ids),
-                        seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G, window=w, greedy=self.greedy,
-                        drafting=ctx, per_slot=per_slot)
-                    shapes += 1
-            if self.cost is not None:
-                _after_round(self.cost, scale, self.state, jnp.int32(R), jnp.int32(0), jnp.int32(R), drafted_arr, R=R,
-                             probe_every=self._gate_probe, probe_budget=self.cfg.gate_probe_budget,
-                             fill=self.cfg.fill_buckets, margin=self.cfg.gate_margin)
-            if R >= S:
-                break
-            R = min(2 * R, S)
+        for greedy in modes:
+            R = 1
+            while True:
+                if drafting:
+                    for w in draft_windows:
+                        d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed,
+                                                self.head_w, self.temps, self.sps, self.cost, scale,
+                                                self._policy_value, capacity=cap, R=R,
+                                                policy=self._policy_kind,
+                                                greedy=greedy, probe_every=self.cfg.gate_probe_every,
+                                                probe_budget=self.cfg.gate_probe_budget, context=w,
+                                                fill=self.cfg.fill_buckets, margin=self.cfg.gate_margin)
+                else:
+                    d = None
+                self._round_conf(None, R)  # the arrays a round that skips the draft program passes
+                conf, drafted_arr = self._round_conf(d, R)
+                lo = R // 2 + 1
+                hi = R * (G + 1) if drafting else R
+                plain = {(bucket_for(b), 1) for b in range(lo, R + 1)}  # rounds without drafts: B = n
+                spec = {(bucket_for(b), G + 1) for b in range(lo + 1, hi + 1)} if drafting else set()
+                kinds = [(T, per_slot, drafting) for T, per_slot in sorted(plain | spec)]
+                if self._may_drop_context:  # rounds where no request has the drafter's context: none's programs
+                    kinds += [(T, 1, False) for T, _ in sorted(plain)]
+                for T, per_slot, ctx in kinds:
+                    for w in windows:
+                        self.state, out = _verify_and_commit(
+                            self.target.weights, self.state, d if per_slot > 1 else None, conf if ctx else None,
+                            drafted_arr if ctx else None, self.d_graph if ctx else None, self.d_state if ctx else None,
+                            self.draft_vocab if ctx else None, jnp.asarray(self.stop_ids),
+                            cfg=self.target.cfg, R=R, T=T, G=G, window=w, greedy=greedy,
+                            drafting=ctx, per_slot=per_slot)
+                        shapes += 1
+                if self.cost is not None:
+                    _after_round(self.cost, scale, self.state, jnp.int32(R), jnp.int32(0), jnp.int32(R), drafted_arr, R=R,
+                                 probe_every=self._gate_probe, probe_budget=self.cfg.gate_probe_budget,
+                                 fill=self.cfg.fill_buckets, margin=self.cfg.gate_margin)
+                if R >= S:
+                    break
+                R = min(2 * R, S)
         # The drafter gate's state starts afresh (warm-up rounds had no requests).
         self.state = self.state.replace(skipped=jnp.int32(0), conf_global=self._prior_survival(),
                                         accept_seen=jnp.full((2,), ACCEPT_PRIOR, jnp.float32))
@@ -643,7 +777,7 @@ class Engine:
         R = _pow2(n, S)
         longest = int(self.slot_length[active_slots].max())
         window = _window(longest + G + 1, self.cfg.capacity, self.cfg.window_rule)
-        temp = jnp.float32(self.cfg.temperature)
+        greedy = bool(self.slot_greedy[active_slots].all())  # else each row accepts by its own rule
         # The drafter's context: every active request has it (the gate decides), none has it (plain decoding's
         # own programs: nothing of the drafter runs) or some have it (the drafter waits, contexts are written).
         context = self.slot_context[active_slots]
@@ -654,9 +788,8 @@ class Engine:
         known_closed = (self._gate_closed and not (active & ~was_active).any()) or not can_draft
         if drafting and not known_closed:
             d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed, self.head_w,
-                                    self.temps, self.sps, self.cost, scale, temp, self._policy_value,
-                                    seed=self.cfg.seed, capacity=self.cfg.capacity, R=R, policy=self._policy_kind,
-                                    greedy=self.greedy,
+                                    self.temps, self.sps, self.cost, scale, self._policy_value,
+                                    capacity=self.cfg.capacity, R=R, policy=self._policy_kind, greedy=greedy,
                                     probe_every=self.cfg.gate_probe_every, probe_budget=self.cfg.gate_probe_budget,
                                     context=_window(longest, self.cfg.capacity, self.cfg.window_rule),
                                     fill=self.cfg.fill_buckets, margin=self.cfg.gate_margin)
@@ -668,8 +801,8 @@ class Engine:
         self.state, out = _verify_and_commit(
             self.target.weights, self.state, d if B > n else None, conf, drafted_arr,
             self.d_graph if drafting else None, self.d_state if drafting else None,
-            self.draft_vocab if drafting else None, temp, jnp.asarray(self.stop_ids),
-            seed=self.cfg.seed, cfg=self.target.cfg, R=R, T=T, G=G, window=window, greedy=self.greedy,
+            self.draft_vocab if drafting else None, jnp.asarray(self.stop_ids),
+            cfg=self.target.cfg, R=R, T=T, G=G, window=window, greedy=greedy,
             drafting=drafting, per_slot=G + 1 if B > n else 1)
         after = (jnp.float32(np.nan), jnp.bool_(True), jnp.float32(np.nan))
         if self.cost is not None and can_draft:
@@ -689,14 +822,21 @@ class Engine:
         row_requests = np.asarray([self.slot_request[s] for s in rows], np.int64)
         for i, s in enumerate(rows):
             rid = int(self.slot_request[s])
-            self._emit(rid, emitted[i, : counts[i]])
-            total += int(counts[i])
+            tokens = emitted[i, : counts[i]]
+            cut = self._stop_cut(rid, tokens)  # the request's own stop ids end it here
+            if cut is not None:
+                tokens = tokens[:cut]
+            self._emit(rid, tokens)
+            total += len(tokens)
             self.slot_length[s] = new_len[i]
-            if finished[i]:
-                last = emitted[i, counts[i] - 1]
-                self.requests[rid].finished_by_stop = bool(np.isin(last, self.stop_ids))
+            if finished[i] or cut is not None:
+                self.requests[rid].finished_by_stop = bool(np.isin(tokens[-1], self.stop_ids)) or cut is not None
+                self._extra_stops.pop(rid, None)
                 self.finished_ids.append(rid)
-                self.slot_request[s] = -1
+                if finished[i]:
+                    self.slot_request[s] = -1
+                else:  # still active on the device
+                    self._release(int(s))
         seconds = time.perf_counter() - t0
         record = self.record_confidences and d is not None
         conf = np.asarray(d.conf)[:n] if record else None
@@ -817,21 +957,43 @@ def _write_chunk_context(graph, dstate, dcache, taps, slot, start, n_valid):
     return dr.write_context(drafter, dcache, taps, jnp.full((n,), slot, jnp.int32), start + idx, idx < n_valid)
 
 
-@functools.partial(jax.jit, static_argnames=("seed", "greedy"))
-def _sample_first(logits, request, position, temperature, *, seed, greedy):
-    """The first token after prefill: argmax, or a draw from softmax(logits / T) with the request's key."""
+@functools.partial(jax.jit, static_argnames=("greedy",))
+def _sample_first(logits, request, position, temperature, top_p, seed, *, greedy):
+    """The first token after prefill: argmax, or a draw from ``top_p(softmax(logits / T))`` with the
+    request's key (``softmax(logits / T)`` itself at top-p 1)."""
     if greedy:
         return jnp.argmax(logits).astype(jnp.int32)
     key = _key(seed, 0, request[None], position[None])[0]
-    return jax.random.categorical(key, logits.astype(jnp.float32) / temperature).astype(jnp.int32)
+    scaled = logits.astype(jnp.float32) / temperature  # [V]
+    law = _target_law(scaled[None, None], top_p[None])[0, 0]
+    nucleus = jnp.where(law > 0, jnp.log(jnp.where(law > 0, law, 1.0)), -jnp.inf)
+    return jax.random.categorical(key, jnp.where(top_p < 1, nucleus, scaled)).astype(jnp.int32)
+
+
+def _target_law(scaled_logits, top_p):
+    """The target's sampling law per row: ``top_p(softmax(scaled_logits))`` for ``scaled_logits`` [R, N, V]
+    (already divided by the row's temperature) and ``top_p`` [R]; the nucleus filter runs only when some
+    row asks for it (a sort over the vocabulary)."""
+    probs = jax.nn.softmax(scaled_logits, axis=-1)  # [R, N, V]
+    cut = jnp.broadcast_to(top_p[:, None], probs.shape[:2])  # [R, N]
+    return jax.lax.cond(jnp.any(top_p < 1), lambda p: verify.top_p_filter(p, cut), lambda p: p, probs)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _admit_slot(state, slot, request, first, max_new, live):
+def _free_slot(state, slot):
+    """Mark ``slot`` inactive (a cancelled or stopped request); the next admission overwrites the rest."""
+    return state.replace(active=state.active.at[slot].set(False))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _admit_slot(state, slot, request, first, max_new, live, seed, temperature, top_p):
     return state.replace(
         anchor=state.anchor.at[slot].set(first),
         active=state.active.at[slot].set(live),
         request=state.request.at[slot].set(request),
+        seed=state.seed.at[slot].set(seed),
+        temperature=state.temperature.at[slot].set(temperature),
+        top_p=state.top_p.at[slot].set(top_p),
         generated=state.generated.at[slot].set(1),
         max_new=state.max_new.at[slot].set(max_new),
         conf_hist=state.conf_hist.at[:, slot].set(_conditional(state.conf_global)),
@@ -932,16 +1094,17 @@ def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_
     return (gain > 1.0 + margin) | (state.skipped >= wait), sps, gain.astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "seed", "capacity", "probe_every",
+@functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "capacity", "probe_every",
                                              "probe_budget", "fill", "margin"))
-def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, time_scale, temperature,
-                        policy_value, *, seed: int, capacity: int, R: int, policy: Policy, greedy: bool, context: int,
+def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, time_scale,
+                        policy_value, *, capacity: int, R: int, policy: Policy, greedy: bool, context: int,
                         probe_every: int = 2, probe_budget: float = 0.02, fill: bool = True,
                         margin: float = 0.0) -> DraftOut:
     """Draft a block for the first R rows, compute calibrated confidences, apply the policy.
 
     ``policy`` is static by its kind only; its number (K of ``fixed:K``, C of ``threshold:C``) is the traced
-    ``policy_value``, so every K (every C) runs the same compiled program.
+    ``policy_value``, so every K (every C) runs the same compiled program. ``greedy``: every row is greedy;
+    else each row drafts at its own temperature (one-hot at 0).
 
     With a cost model, the ``dspark`` policies first decide whether drafting pays at all this round
     (:func:`_drafting_pays`, from each request's survival averages over its earlier drafted rounds, which
@@ -959,8 +1122,8 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
                                       margin)
 
     def run_drafter():
-        keys = _key(seed, 1, state.request[rows], ctx_len)
-        t = jnp.float32(0.0) if greedy else temperature
+        keys = _key(state.seed[rows], 1, state.request[rows], ctx_len)
+        t = jnp.float32(0.0) if greedy else state.temperature[rows]  # [] or [R]
         return dr.draft(drafter, state.dcache, rows, ctx_len, state.anchor[rows], keys, t, embed, head_w,
                         context=context)
 
@@ -981,10 +1144,10 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     return DraftOut(tokens, probs, conf, conf_logits, lengths, batch, gate)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "R", "T", "G", "window", "greedy", "drafting", "seed", "per_slot"),
+@functools.partial(jax.jit, static_argnames=("cfg", "R", "T", "G", "window", "greedy", "drafting", "per_slot"),
                    donate_argnames=("state",))
 def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, drafted, graph, dstate, draft_vocab,
-                       temperature, stop_ids, *, seed: int, cfg, R: int, T: int, G: int, window: int,
+                       stop_ids, *, cfg, R: int, T: int, G: int, window: int,
                        greedy: bool, drafting: bool, per_slot: int) -> tuple[EngineState, RoundOut]:
     """Pack the scheduled tokens, verify them with one target pass, accept, commit, emit.
 
@@ -993,6 +1156,8 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, dr
     the drafter ran (zeros and False when the host skipped the draft program), else None. ``per_slot`` is
     the most tokens a row verifies: ``G + 1`` with the drafts ``d``, or 1 with ``d = None`` for a round that
     scheduled no drafts (a plain round then costs what plain decoding costs; one program per shape).
+    ``greedy``: every row is greedy (argmax acceptance); else each row accepts by its own rule: argmax at
+    temperature 0, `verify.speculative_accept` against ``top_p(softmax(logits / T))`` otherwise.
     """
     rows, row_valid = _device_rows(state.active, R)
     ctx_len = state.cache.lengths[rows]  # [R] anchor positions
@@ -1022,16 +1187,19 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, dr
     # ---- unpack to rows: logits of [anchor, x1..x_Gv] -> [R, Gv + 1, V]
     idx = jnp.clip(starts[:, None] + jnp.arange(Gv + 1)[None, :], 0, T - 1)
     row_logits = logits[idx]
-    if greedy:
-        n_acc, nxt = verify.greedy_accept(drafts, row_logits, lengths)
-    else:
-        target_probs = jax.nn.softmax(row_logits / temperature, axis=-1)
-        keys = _key(seed, 2, state.request[rows], ctx_len)
+    n_acc, nxt = verify.greedy_accept(drafts, row_logits, lengths)
+    if not greedy:
+        temp = state.temperature[rows]  # [R]
+        sampled = temp > 0
+        scaled = row_logits / jnp.where(sampled, temp, 1.0)[:, None, None]  # [R, Gv + 1, V]
+        target_probs = _target_law(scaled, state.top_p[rows])
+        keys = _key(state.seed[rows], 2, state.request[rows], ctx_len)
         if not plain:
             probs, vocab = d.probs, draft_vocab
         else:  # no drafts: the next token is drawn from the target alone (the draft tables are never read)
             probs, vocab = jnp.zeros((R, Gv, 1), jnp.float32), jnp.zeros((1,), jnp.int32)
-        n_acc, nxt = verify.speculative_accept(keys, drafts, probs, target_probs, lengths, vocab)
+        s_acc, s_nxt = verify.speculative_accept(keys, drafts, probs, target_probs, lengths, vocab)
+        n_acc, nxt = jnp.where(sampled, s_acc, n_acc), jnp.where(sampled, s_nxt, nxt)
     # ---- emit [x1..x_n, next], cut at the first stop token and at the request's budget
     drafts_g = jnp.pad(drafts, ((0, 0), (0, G - Gv)))  # [R, G]
     emitted = jnp.where(jnp.arange(G + 1)[None, :] < n_acc[:, None], jnp.pad(drafts_g, ((0, 0), (0, 1))), 0)

@@ -87,10 +87,11 @@ class ClosedLoop:
         self.engine, self.prompts, self.concurrency, self.max_new_tokens = engine, prompts, concurrency, max_new_tokens
         self._next = 0
         self.submitted = 0
+        self._finished_before = len(engine.finished_ids)  # requests the engine finished before this loop
         self.emitted = 0  # tokens emitted since the loop started
 
     def _top_up(self) -> None:
-        while self.submitted - len(self.engine.finished_ids) < self.concurrency:
+        while self.submitted - (len(self.engine.finished_ids) - self._finished_before) < self.concurrency:
             self.engine.submit(self.prompts[self._next], self.max_new_tokens)
             self._next = (self._next + 1) % len(self.prompts)
             self.submitted += 1

@@ -25,7 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["acceptance_probs", "next_token_probs", "speculative_accept", "greedy_accept", "leading_true"]
+__all__ = ["acceptance_probs", "next_token_probs", "speculative_accept", "greedy_accept", "leading_true",
+           "top_p_filter"]
 
 
 def _gather_last(x, idx):
@@ -200,3 +201,33 @@ def greedy_accept(
     n = leading_true(draft_tokens.astype(jnp.int32) == best[:, :-1], lengths.astype(jnp.int32))
     nxt = jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]
     return n, nxt
+
+
+@jax.jit
+def top_p_filter(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Nucleus (top-p) law: keep the most likely tokens, in order, while the mass before them is below
+    ``top_p`` (the smallest such set whose mass reaches ``top_p``; ties by lower token id first), renormalised.
+
+    Passing the result as ``target_probs`` to `speculative_accept` makes the emitted tokens follow this law
+    exactly, whatever the drafts were drawn from.
+
+    Args:
+      probs: float [..., V], each row a distribution.
+      top_p: float [...] in (0, 1]; rows with ``top_p >= 1`` are returned unchanged.
+
+    Returns:
+      float32 [..., V].
+
+    >>> top_p_filter(jnp.array([0.5, 0.3, 0.2]), jnp.array(0.7)).tolist()
+    [0.625, 0.375, 0.0]
+    """
+    probs = probs.astype(jnp.float32)
+    top_p = jnp.asarray(top_p, jnp.float32)
+    order = jnp.argsort(probs, axis=-1, stable=True, descending=True)  # [..., V]
+    ranked = jnp.take_along_axis(probs, order, axis=-1)
+    before = jnp.cumsum(ranked, axis=-1) - ranked  # mass of the tokens ranked above each
+    keep_ranked = before < top_p[..., None]
+    keep = jnp.take_along_axis(keep_ranked, jnp.argsort(order, axis=-1), axis=-1)  # back to token order
+    kept = jnp.where(keep, probs, 0.0)
+    out = kept / jnp.sum(kept, axis=-1, keepdims=True)
+    return jnp.where(top_p[..., None] >= 1, probs, out)

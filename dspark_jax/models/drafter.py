@@ -359,7 +359,8 @@ def sample_block(drafter: Drafter, h: jax.Array, anchors: jax.Array, keys: jax.A
       h: [R, G, D] backbone hidden states.
       anchors: int [R] the anchor (last committed) tokens x0.
       keys: [R] PRNG keys, one per request (a row's draws do not depend on the rest of the batch).
-      temperature: float [] (traced); 0 means greedy (one-hot distributions).
+      temperature: float [] or [R] (traced), one for all rows or one per row; 0 means greedy (one-hot
+        distributions).
       head_w: [D, W] frozen LM head over the draft vocabulary.
     Returns:
       tokens int32 [R, G] (target token ids), probs float32 [R, G, W] (the exact distributions the tokens
@@ -370,7 +371,7 @@ def sample_block(drafter: Drafter, h: jax.Array, anchors: jax.Array, keys: jax.A
     R, G, _ = h.shape
     base = jnp.einsum("rgd,dw->rgw", h, head_w).astype(jnp.float32)  # [R, G, W]
     step_keys = jax.vmap(lambda k: jax.random.split(k, G))(keys)  # [R, G]
-    t = jnp.asarray(temperature, jnp.float32)
+    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (R,))[:, None]  # [R, 1]
     greedy = t <= 0
 
     def step(carry, xs):
@@ -387,7 +388,7 @@ def sample_block(drafter: Drafter, h: jax.Array, anchors: jax.Array, keys: jax.A
         probs = jnp.where(greedy, jax.nn.one_hot(top, logits.shape[-1], dtype=jnp.float32), probs)
         logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
         drawn = jax.vmap(jax.random.categorical)(key_k, logp)
-        idx = jnp.where(greedy, top, drawn).astype(jnp.int32)
+        idx = jnp.where(greedy[:, 0], top, drawn).astype(jnp.int32)
         token = drafter.vocab_ids[...][idx]
         if conf is None:
             conf = proxy_confidence_logit(logits)
@@ -450,7 +451,7 @@ def draft(drafter: Drafter, cache: DrafterCache, slots, ctx_len, anchors, keys, 
     Args:
       cache: the drafter cache; slots: int [R] the requests' slots (any value for padding rows).
       ctx_len: int [R] committed tokens of each slot (= the anchor's position).
-      anchors: int [R] anchor tokens; keys: [R] PRNG keys; temperature: float [].
+      anchors: int [R] anchor tokens; keys: [R] PRNG keys; temperature: float [] or [R] (per row).
       embed: [V, D] frozen target embedding; head_w: [D, W] frozen LM head over the draft vocabulary.
       context: optional static bound >= every ctx_len: only cache positions below it are read.
     Returns:

@@ -1,0 +1,77 @@
+"""Serve the engine over HTTP with the OpenAI API.
+
+    python -m dspark_jax.serve                                  # SmolLM2 + the shipped drafter, dspark policy
+    python -m dspark_jax.serve --policy none --port 8000 --num-slots 32 --api-key SECRET
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+      -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+
+Binds 127.0.0.1 unless --host says otherwise. Requests carry their own temperature, top_p, seed, max_tokens,
+stop and stop_token_ids (omitted temperature: --temperature, greedy by default). At most
+--max-queued-requests wait for a slot (more get 429); a request that waited --queue-timeout seconds gets 503.
+Ctrl-C (SIGINT) or SIGTERM stops taking requests and finishes those accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dspark_jax.build import add_engine_arguments, engine_from_args, load_target, target_name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dspark_jax.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="the model id clients pass (default: the model file or folder "
+                                               "name without its extension)")
+    p.add_argument("--num-slots", type=int, default=16, help="requests decoded together")
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longest prompt (sizes the cache)")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="the output budget of a request that gives no max_tokens (sizes the cache)")
+    p.add_argument("--max-queued-requests", type=int, default=256,
+                   help="accepted requests that may wait for a slot; more are refused with 429")
+    p.add_argument("--queue-timeout", type=float, default=600.0,
+                   help="seconds a request may wait for a slot before it is refused with 503 (0: no limit)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request but /health")
+    p.add_argument("--warm-up", action="store_true",
+                   help="compile every round program before serving (greedy and sampled; minutes on a CPU)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    for name in ("num_slots", "max_prompt_tokens", "max_new_tokens", "max_queued_requests"):
+        if getattr(args, name) < 1:
+            build_parser().error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.queue_timeout < 0:
+        build_parser().error("--queue-timeout must be >= 0 (0: no limit)")
+    import uvicorn  # noqa: PLC0415
+
+    from dspark_jax.serve.app import create_app  # noqa: PLC0415
+    from dspark_jax.serve.worker import EngineWorker  # noqa: PLC0415
+
+    try:
+        model = load_target(args.model, dtype=args.dtype)
+        engine = engine_from_args(args, model, num_slots=args.num_slots, max_prompt_tokens=args.max_prompt_tokens,
+                                  max_new_tokens=args.max_new_tokens)
+    except ValueError as e:
+        build_parser().error(str(e))
+    if model.tokenizer is None:
+        build_parser().error("the model has no tokenizer; the server needs one for text and the chat template")
+    name = args.served_model_name or target_name(args.model).rsplit(".gguf", 1)[0].split(".Q")[0]
+    if args.warm_up:
+        print(f"compiling the round programs for prompts up to {args.max_prompt_tokens} tokens ...", file=sys.stderr)
+        engine.warm_up(args.max_prompt_tokens, sampled=True)
+    worker = EngineWorker(engine, max_queued=args.max_queued_requests,
+                          queue_timeout=args.queue_timeout or None)
+    app = create_app(worker, model.tokenizer, name, api_key=args.api_key, default_max_tokens=args.max_new_tokens)
+    print(f"serving {name!r} (policy {engine.policy}, {args.num_slots} slots) on http://{args.host}:{args.port}",
+          file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=600)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,428 @@
+"""The OpenAI-compatible HTTP API over an `EngineWorker` (FastAPI; server-sent events for streaming).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the model's chat template),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+
+Per request: ``temperature`` (0..2; omitted: the server's ``--temperature``), ``top_p`` (0..1], ``seed``,
+``max_tokens`` (chat also ``max_completion_tokens``), ``stop`` (strings: the text is cut before the first one,
+as OpenAI does), ``stop_token_ids`` (as vLLM's), ``stream`` with ``stream_options.include_usage``; ``n`` must be
+1. Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad body (bad
+JSON, a value out of range, a prompt longer than the context), 401 without the ``--api-key``, 404 for an
+unknown model, 429 when the queue is full, 503 when shutting down or after the queue timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Literal, Sequence
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from dspark_jax.engine import MAX_SEED, SamplingParams
+from dspark_jax.serve.worker import EngineWorker, Event, GenerationRequest, QueueFull, ShuttingDown, prometheus_text
+
+__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TextStream", "create_app",
+           "BackgroundServer"]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="only one choice per request")
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: a prompt as text or token ids (a list of one of them is taken as it)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def _error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status)
+
+
+class TextStream:
+    """Token ids -> text deltas for one answer: never half a UTF-8 character, no text of stop tokens, and cut
+    before the first stop string (text that could begin one is held back until it cannot).
+
+    >>> class Chars:  # a stand-in tokenizer: token i is the character chr(i)
+    ...     def stream(self, skip_special=True):
+    ...         return type("D", (), {"push": lambda self, t: chr(t), "flush": lambda self: ""})()
+    >>> s = TextStream(Chars(), stop=["cd"], hidden_ids=())
+    >>> s.push([ord(c) for c in "abc"]), s.push([ord("d"), ord("e")]), s.stopped, s.tokens
+    ('ab', '', True, 4)
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str], hidden_ids: Sequence[int]):
+        self._dec = tokenizer.stream()
+        self._stop = [s for s in stop if s]
+        self._hidden = frozenset(int(t) for t in hidden_ids)
+        self.text = ""  # the answer's text so far (cut at a stop string)
+        self._sent = 0  # characters returned
+        self.stopped = False  # a stop string was found
+        self.tokens = 0  # tokens consumed (up to the one that completed a stop string)
+
+    def _find_stop(self, start: int) -> None:
+        hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Take the next tokens; returns the text now settled."""
+        for t in ids:
+            if self.stopped:
+                break
+            self.tokens += 1
+            if int(t) in self._hidden:
+                continue
+            before = len(self.text)
+            self.text += self._dec.push(int(t))
+            if self._stop:
+                self._find_stop(max(0, before - max(len(s) for s in self._stop)))
+        hold = 0
+        if not self.stopped:  # a tail that may become a stop string stays back
+            for s in self._stop:
+                for k in range(min(len(s) - 1, len(self.text) - self._sent), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        hold = max(hold, k)
+                        break
+        out = self.text[self._sent: len(self.text) - hold]
+        self._sent += len(out)
+        return out
+
+    def finish(self) -> str:
+        """The rest of the text once the answer has ended."""
+        if not self.stopped:
+            before = len(self.text)
+            self.text += self._dec.flush()
+            if self._stop:
+                self._find_stop(max(0, before - max(len(s) for s in self._stop)))
+        out = self.text[self._sent:]
+        self._sent = len(self.text)
+        return out
+
+
+def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str | None = None,
+               default_max_tokens: int = 256) -> FastAPI:
+    """The FastAPI application serving ``worker``'s engine under the name ``model_name``.
+
+    Args:
+      worker: the engine thread (started and drained by the app's lifespan when not already running).
+      tokenizer: the target's tokenizer (`dspark_jax.tokenizer.Tokenizer`): text, chat template, stop ids.
+      model_name: the id clients pass as ``model``.
+      api_key: when set, every request but ``/health`` needs ``Authorization: Bearer <api_key>`` (else 401).
+      default_max_tokens: the output budget of a request that gives none (capped by the context left).
+    """
+    engine = worker.engine
+    capacity = engine.cfg.capacity - engine.G - 1  # prompt + output tokens a slot holds
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        started_here = not worker.alive
+        if started_here:
+            worker.start()
+        yield
+        await asyncio.to_thread(worker.stop)  # drains what was accepted
+
+    app = FastAPI(title="dspark-jax", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        kind = first.get("type", "")
+        msg = "the body is not valid JSON" if kind == "json_invalid" else first.get("msg", "invalid request")
+        return _error_response(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", param=".".join(loc) or None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return _error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    if api_key is not None:
+        app.add_middleware(_KeyCheck, key=api_key)
+
+    @app.get("/health")
+    async def health():
+        if not worker.alive:
+            return PlainTextResponse("engine stopped", status_code=503)
+        return PlainTextResponse("ok")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "dspark-jax", "max_model_len": capacity}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        extra = {"dspark_slots": engine.cfg.num_slots, "dspark_queue_limit": worker.max_queued}
+        return PlainTextResponse(prometheus_text(worker.metrics(), model_name, extra),
+                                 media_type="text/plain; version=0.0.4")
+
+    def check_model(body: _Sampling):
+        if body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+
+    def make_request(body: _Sampling, prompt_ids: list[int], max_tokens: int | None) -> tuple[GenerationRequest,
+                                                                                              list[str]]:
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        room = capacity - len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, room)
+        if room < 1 or max_tokens > room:
+            raise APIError(400, f"this model's context holds {capacity} tokens; the prompt has {len(prompt_ids)} "
+                                f"and max_tokens asks for {max_tokens}", param="max_tokens",
+                           code="context_length_exceeded")
+        vocab = tokenizer.vocab_size
+        stop_ids = tuple(body.stop_token_ids or ())
+        bad = [t for t in stop_ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"stop_token_ids: token ids must lie in [0, {vocab}), got {bad}",
+                           param="stop_token_ids")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise APIError(400, f"prompt: token ids must lie in [0, {vocab})", param="prompt")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        sampling = SamplingParams(temperature=body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
+                                  seed=body.seed, stop_token_ids=stop_ids)
+        return GenerationRequest(prompt_ids, int(max_tokens), sampling), stop
+
+    async def run(request: Request, body: _Sampling, prompt_ids: list[int], max_tokens: int | None, chat: bool):
+        req, stop = make_request(body, prompt_ids, max_tokens)
+        try:
+            events = worker.submit(req)
+        except QueueFull as e:
+            raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
+        except ShuttingDown as e:
+            raise APIError(503, str(e), "server_error", code="unavailable") from None
+        hidden = set(int(t) for t in engine.stop_ids) | set(req.sampling.stop_token_ids)
+        text = TextStream(tokenizer, stop, hidden)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        first = await _next_event(request, events, worker, req)
+        if first is None:
+            return JSONResponse({}, status_code=499)
+        if first.kind == "error":
+            raise APIError(first.status, first.message, "server_error" if first.status >= 500 else
+                           "invalid_request_error")
+
+        def usage():
+            return {"prompt_tokens": len(prompt_ids), "completion_tokens": text.tokens,
+                    "total_tokens": len(prompt_ids) + text.tokens}
+
+        async def answer():
+            """(text delta, finish reason or None) as the engine commits tokens; ends after the reason."""
+            event = first
+            while True:
+                if event is None:  # the client left
+                    return
+                if event.kind == "error":
+                    yield text.finish(), "error"
+                    return
+                if event.kind == "tokens":
+                    for token in event.tokens:  # one chunk per token, as the round committed them
+                        delta = text.push([token])
+                        if text.stopped:
+                            worker.cancel(req)
+                            yield delta, "stop"
+                            return
+                        if delta:
+                            yield delta, None
+                if event.kind == "done":
+                    yield text.finish(), event.finish_reason
+                    return
+                event = await _next_event(request, events, worker, req)
+
+        if not body.stream:
+            parts, reason = [], None
+            async for delta, reason in answer():
+                parts.append(delta)
+            if reason is None:
+                return JSONResponse({}, status_code=499)
+            content = "".join(parts)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                       "finish_reason": reason} if chat else
+                      {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
+            return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                    "model": model_name, "choices": [choice], "usage": usage()}
+
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, reason: str | None, role: bool = False) -> str:
+            if chat:
+                d = {} if delta is None else {"content": delta}
+                if role:
+                    d["role"] = "assistant"
+                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+            return _sse({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                         "choices": [choice]})
+
+        async def stream():
+            finished = False
+            try:
+                if chat:
+                    yield chunk("", None, role=True)
+                async for delta, reason in answer():
+                    if delta:
+                        yield chunk(delta, None)
+                    if reason is not None:
+                        yield chunk(None if chat else "", reason)
+                        finished = True
+                if include_usage:
+                    yield _sse({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                                "choices": [], "usage": usage()})
+                yield "data: [DONE]\n\n"
+            finally:
+                if not finished:  # the client left mid-stream: free its slot
+                    worker.cancel(req)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        check_model(body)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "prompt: one prompt per request (a list of one string or token list)",
+                               param="prompt")
+            prompt = prompt[0]
+        ids = tokenizer.encode(prompt, add_special=True) if isinstance(prompt, str) else [int(t) for t in prompt]
+        return await run(request, body, ids, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        check_model(body)
+        turns = []
+        for i, m in enumerate(body.messages):
+            if isinstance(m.content, str):
+                content = m.content
+            else:
+                if not all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in m.content):
+                    raise APIError(400, f"messages.{i}.content: only text parts are supported",
+                                   param=f"messages.{i}.content")
+                content = "".join(p["text"] for p in m.content)
+            turns.append({"role": m.role, "content": content})
+        ids = tokenizer.encode_chat(turns)
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await run(request, body, ids, limit, chat=True)
+
+    return app
+
+
+class _KeyCheck:
+    """ASGI middleware: every HTTP request but ``/health`` needs ``Authorization: Bearer <key>`` (else 401).
+    Plain ASGI (not `BaseHTTPMiddleware`) so streaming responses and disconnects pass through untouched."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = _error_response(401, "a valid API key is required: Authorization: Bearer <key>",
+                                           "authentication_error", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _next_event(request: Request, events: asyncio.Queue, worker: EngineWorker, req: GenerationRequest,
+                      poll: float = 0.25) -> Event | None:
+    """The request's next event; None (after cancelling it) if its client disconnected meanwhile."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), poll)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                worker.cancel(req)
+                return None
+
+
+class BackgroundServer:
+    """Serve ``app`` with uvicorn on a thread (tests, benchmarks): ``with BackgroundServer(app) as url: ...``.
+
+    Binds ``host`` (loopback by default) on ``port`` (0: a free one); ``url`` is ``http://host:port``.
+    Leaving the block shuts the server down gracefully (in-flight requests finish, the engine drains).
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, graceful_seconds: float = 60.0):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_seconds)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server thread ended before it started")
+            time.sleep(0.02)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+        self.sock.close()

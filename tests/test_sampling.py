@@ -1,0 +1,159 @@
+"""Per-request sampling in the engine: greedy and sampled requests in one batch, each exact for its own settings
+(temperature, top-p, seed, stop token ids), and cancelling requests between rounds."""
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax import engine as eng
+from dspark_jax import verify
+from dspark_jax.decoding import plain_generate
+from tests.test_engine import make_drafter, make_model, prompts
+
+SPS = np.linspace(10.0, 1.0, 48).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+@pytest.fixture(scope="module")
+def drafter(model):
+    return make_drafter(model)
+
+
+def numpy_top_p(p, top_p):
+    """Reference nucleus: most likely first (lower id on ties), keep while the mass before is below top_p."""
+    order = sorted(range(len(p)), key=lambda i: (-p[i], i))
+    keep, mass = np.zeros(len(p), bool), 0.0
+    for i in order:
+        if mass >= top_p:
+            break
+        keep[i] = True
+        mass += p[i]
+    out = np.where(keep, p, 0.0)
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.8, 0.999, 1.0])
+def test_top_p_filter_matches_a_reference(top_p):
+    rng = np.random.default_rng(int(top_p * 1000))
+    p = rng.dirichlet(np.full(17, 0.5), size=3).astype(np.float32)
+    p[0, 3] = p[0, 5] = p[0].max()  # a tie: the lower id ranks first
+    p /= p.sum(-1, keepdims=True)
+    got = np.asarray(verify.top_p_filter(jnp.asarray(p), jnp.full(3, top_p, jnp.float32)))
+    want = p if top_p >= 1 else np.stack([numpy_top_p(row.astype(np.float64), top_p) for row in p])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_greedy_rows_exact_beside_sampled_rows(model, drafter):
+    """Greedy and sampled requests share rounds: the greedy ones equal plain greedy decoding token for token;
+    a seeded sampled request gives the same tokens alone and in a full batch (fixed K: the same drafts)."""
+    policy = "fixed:3"
+    ps = prompts(4, seed=4)
+    ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=2, stop_ids=[], capacity=64)
+    e = eng.Engine(model, drafter, policy, eng.EngineConfig(num_slots=2, capacity=64), sps=SPS, stop_ids=[])
+    hot = eng.SamplingParams(temperature=1.3, top_p=0.9)
+    ids = [e.submit(p, 10, None if i % 2 == 0 else hot) for i, p in enumerate(ps)]
+    seeded = eng.SamplingParams(temperature=0.9, seed=7)
+    lone_in_batch = e.submit(ps[1], 10, seeded)
+    while not e.idle():
+        e.step()
+    for i, rid in enumerate(ids):
+        out = e.requests[rid].output_ids
+        if i % 2 == 0:
+            assert out == ref[i].output_ids, i
+        else:
+            assert len(out) == 10
+    assert any(r.active > 1 for r in e.rounds)
+    alone = eng.Engine(model, drafter, policy, eng.EngineConfig(num_slots=2, capacity=64), stop_ids=[])
+    rid = alone.submit(ps[1], 10, seeded)
+    alone.run([], 1)
+    assert alone.requests[rid].output_ids == e.requests[lone_in_batch].output_ids
+
+
+def exact_law(model, prompt, m, vocab, temperature, top_p):
+    """Exact law of the first m tokens sampled from top_p(softmax(logits / T)), by enumeration."""
+    law = np.zeros((vocab,) * m)
+    step = {}
+    for n in range(m):
+        for prefix in itertools.product(range(vocab), repeat=n):
+            logits = np.asarray(model.score(list(prompt) + list(prefix)), np.float64)[-1] / temperature
+            p = np.exp(logits - logits.max())
+            step[prefix] = numpy_top_p(p / p.sum(), top_p)
+    for z in itertools.product(range(vocab), repeat=m):
+        law[z] = np.prod([step[z[:i]][z[i]] for i in range(m)])
+    return law
+
+
+def test_sampled_rows_follow_their_own_law_beside_greedy_rows():
+    """On a 4-token vocabulary: requests at temperature 15 (this tiny model's logits span ~30) with top-p 0.8
+    (which cuts tokens the drafter can still propose), mixed with greedy requests in the same rounds, follow
+    top_p(softmax(logits / 15)) exactly (chi-square at p = 0.001); the greedy ones all give the argmax path."""
+    model = make_model(vocab=4, scale=0.15, seed=1)
+    d = make_drafter(model, seed=2, block=3)
+    prompt, m, n_req = [1, 2, 3, 1], 3, 600  # m = 3: two drafts fit the budget after the first token
+    law = exact_law(model, prompt, m, 4, 15.0, 0.8)
+    assert (law == 0).any() and (law > 0.02).sum() >= 6  # the nucleus removes some outcomes, keeps several
+    e = eng.Engine(model, d, "fixed:2", eng.EngineConfig(num_slots=8, capacity=32, seed=5), stop_ids=[])
+    sampled = eng.SamplingParams(temperature=15.0, top_p=0.8)
+    ids = [e.submit(prompt, m, sampled if i % 6 else None) for i in range(n_req + n_req // 5 + 1)]
+    while not e.idle():
+        e.step()
+    outs = [e.requests[i].output_ids for k, i in enumerate(ids) if k % 6]
+    greedy = {tuple(e.requests[i].output_ids) for k, i in enumerate(ids) if k % 6 == 0}
+    ref, _ = plain_generate(model, [prompt], m, 0.0, num_slots=1, stop_ids=[], capacity=32)
+    assert greedy == {tuple(ref[0].output_ids)}
+    counts = np.zeros_like(law)
+    for o in outs:
+        counts[tuple(o)] += 1
+    n = len(outs)
+    assert counts[law == 0].sum() == 0
+    expected = law * n
+    big = expected >= 5
+    chi2 = (((counts - expected) ** 2)[big] / expected[big]).sum()
+    small_obs, small_exp = counts[~big & (law > 0)].sum(), expected[~big & (law > 0)].sum()
+    if small_exp > 0:
+        chi2 += (small_obs - small_exp) ** 2 / small_exp
+    dof = int(big.sum()) + (small_exp > 0) - 1
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < crit, (chi2, crit, dof)
+    assert e.summary()["drafts_per_request"] > 0
+
+
+def test_stop_token_ids_and_cancel(model, drafter):
+    """A request's own stop id ends it at its first occurrence (kept as the last token); cancelling a queued
+    and an active request frees the slot for the next one, and everyone else's output is unchanged."""
+    ps = prompts(5, seed=8)
+    ref, _ = plain_generate(model, ps, 12, 0.0, num_slots=2, stop_ids=[], capacity=64)
+    stop = ref[0].output_ids[4]
+    e = eng.Engine(model, drafter, "fixed:3", eng.EngineConfig(num_slots=2, capacity=64), stop_ids=[])
+    a = e.submit(ps[0], 12, eng.SamplingParams(stop_token_ids=(stop,)))
+    b, c, d, f = (e.submit(p, 12) for p in ps[1:])
+    assert e.cancel(c) and e.requests[c].cancelled  # still queued
+    e.step()
+    e.step()
+    assert e.cancel(b)  # active: its slot goes to the next request
+    assert not e.cancel(b)
+    with pytest.raises(ValueError, match="no request 99"):
+        e.cancel(99)
+    while not e.idle():
+        e.step()
+    first = ref[0].output_ids.index(stop) + 1
+    assert e.requests[a].output_ids == ref[0].output_ids[:first] and e.requests[a].finished_by_stop
+    assert e.requests[c].output_ids == []
+    assert 1 <= len(e.requests[b].output_ids) < 12 and e.requests[b].output_ids == ref[1].output_ids[
+        :len(e.requests[b].output_ids)]
+    assert [e.requests[i].output_ids for i in (d, f)] == [ref[3].output_ids, ref[4].output_ids]
+    assert sorted(e.finished_ids) == sorted([a, b, c, d, f])
+
+
+def test_bad_sampling_is_rejected():
+    for kw, msg in (({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+                    ({"seed": -3}, "seed"), ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+                    ({"temperature": float("nan")}, "temperature")):
+        with pytest.raises(ValueError, match=msg):
+            eng.SamplingParams(**kw)
