@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from dspark_jax.build import add_engine_arguments, engine_from_args, load_target
+from dspark_jax.sharding import mesh_from_args
 from dspark_jax.engine import parse_policy
 
 
@@ -70,11 +71,13 @@ def main(argv: list[str] | None = None) -> dict:
         parse_policy(args.policy)
     except ValueError as e:
         build_parser().error(str(e))
-    model = load_target(args.model, dtype=args.dtype)
+    mesh = mesh_from_args(args)  # before anything touches JAX (a multi-process run joins here)
+    model = load_target(args.model, dtype=args.dtype, mesh=mesh)
     tok = model.tokenizer
     prompt_ids = [tok.encode_chat([p]) for p in prompts]
     engine = engine_from_args(args, model, num_slots=args.concurrency,
-                              max_prompt_tokens=max(len(p) for p in prompt_ids), max_new_tokens=args.max_new_tokens)
+                              max_prompt_tokens=max(len(p) for p in prompt_ids), max_new_tokens=args.max_new_tokens,
+                              mesh=mesh)
 
     if len(prompts) == 1 and not args.quiet:
         stream = tok.stream()

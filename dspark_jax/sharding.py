@@ -21,8 +21,10 @@ weights), kv_heads, ffn, vocab, embed (model width, never split), batch (trainin
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
+import warnings
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -33,7 +35,8 @@ from dspark_jax.models.drafter import DrafterCache
 from dspark_jax.models.llama import KVCache, LayerWeights, LlamaConfig, LlamaWeights
 
 __all__ = ["DATA", "TENSOR", "MESH_AXES", "ShardingRules", "RULES", "Axes", "make_mesh", "mesh_shape",
-           "mesh_from_args", "spec_for", "place", "target_axes", "kv_cache_axes", "drafter_cache_axes",
+           "add_mesh_arguments", "initialize_distributed", "mesh_from_args", "mesh_of", "table_mesh",
+           "check_table_mesh", "spec_for", "place", "target_axes", "kv_cache_axes", "drafter_cache_axes",
            "drafter_state_axes", "target_units", "place_target_weights", "place_drafter_state", "layout_report",
            "to_host", "describe_mesh"]
 
@@ -135,14 +138,82 @@ def describe_mesh(mesh: Mesh | None) -> str:
     return f"{s[DATA]}x{s[TENSOR]} (data x tensor)"
 
 
+def add_mesh_arguments(p: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel-size``, ``--data-parallel-size`` and the ``jax.distributed`` options
+    (``--coordinator-address``, ``--num-processes``, ``--process-id``) of every command that runs the engine."""
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices that split each layer's heads, FFN width and vocabulary (default 1)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="device groups that split the request slots (default 1); the product of the two sizes "
+                        "must equal the device count (every process's, under jax.distributed)")
+    p.add_argument("--coordinator-address",
+                   help="multi-process: HOST:PORT of process 0; every process runs the same command with its "
+                        "--process-id (jax.distributed.initialize; omit on a TPU slice or under SLURM, where JAX "
+                        "finds them itself when --num-processes is given)")
+    p.add_argument("--num-processes", type=int, help="multi-process: how many processes take part")
+    p.add_argument("--process-id", type=int, help="multi-process: this process's index, 0 .. num-processes - 1")
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> bool:
+    """Join a multi-process run (``jax.distributed.initialize``) unless there is none to join (every argument
+    None and one process) or this process already joined. Call it before anything else touches JAX. On CPU,
+    the processes' collectives run over gloo. Returns whether this process is part of a multi-process run."""
+    if coordinator_address is None and num_processes in (None, 1):
+        return False
+    if not jax.distributed.is_initialized():
+        if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
+            raise ValueError(f"--process-id {process_id}: expected 0 <= id < --num-processes {num_processes}")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                                   process_id=process_id)
+    return True
+
+
 def mesh_from_args(args: Any) -> Mesh | None:
-    """The mesh of ``--data-parallel-size`` / ``--tensor-parallel-size`` (`build.add_model_arguments`); None
-    when both are 1 (the single-device engine, unchanged)."""
+    """The mesh of ``--data-parallel-size`` / ``--tensor-parallel-size`` (`add_mesh_arguments`), joining the
+    multi-process run first when asked to; None when both sizes are 1 in a single process (the single-device
+    engine, unchanged). Call it before the model is loaded."""
+    multi = initialize_distributed(getattr(args, "coordinator_address", None), getattr(args, "num_processes", None),
+                                   getattr(args, "process_id", None))
     data = int(getattr(args, "data_parallel_size", 1) or 1)
     tensor = int(getattr(args, "tensor_parallel_size", 1) or 1)
-    if data == 1 and tensor == 1:
+    if data == 1 and tensor == 1 and not multi:
         return None
     return make_mesh(data=data, tensor=tensor)
+
+
+def mesh_of(x: Any) -> Mesh | None:
+    """The mesh an array lies on (a `NamedSharding`'s), or None (one device)."""
+    sh = getattr(x, "sharding", None)
+    return sh.mesh if isinstance(sh, NamedSharding) else None
+
+
+def table_mesh(table: Any) -> dict[str, int]:
+    """The mesh an SPS table was measured on (``metadata.extra["mesh"]``; a table without one: 1x1).
+
+    >>> from dspark_jax.sps import SPSMetadata, SPSTable
+    >>> table_mesh(SPSTable.from_arrays([8, 16], [100.0, 90.0]))
+    {'data': 1, 'tensor': 1}
+    """
+    rec = (table.metadata.extra or {}).get("mesh") or {}
+    return {name: int(rec.get(name, 1)) for name in MESH_AXES}
+
+
+def check_table_mesh(table: Any, mesh: Mesh | None, *, allow_mismatch: bool = False, source: str = "SPS table"
+                     ) -> None:
+    """Refuse (``ValueError``) a table measured on another mesh than the engine's: its steps/s are another
+    machine's. ``allow_mismatch`` (``--allow-sps-mesh-mismatch``) turns the refusal into a warning."""
+    have, want = table_mesh(table), mesh_shape(mesh)
+    if have == want:
+        return
+    msg = (f"{source} was measured on a {have[DATA]}x{have[TENSOR]} mesh (data x tensor) but the engine runs on "
+           f"{want[DATA]}x{want[TENSOR]}; profile one on this mesh (python -m profiling.profile_sps "
+           f"--data-parallel-size {want[DATA]} --tensor-parallel-size {want[TENSOR]}) and pass it with --sps, or "
+           f"pass --allow-sps-mesh-mismatch to use it anyway")
+    if not allow_mismatch:
+        raise ValueError(msg)
+    warnings.warn(msg, stacklevel=2)
 
 
 # ---------------------------------------------------------------------------------------------------- layouts

@@ -1,0 +1,233 @@
+"""Checks that need several devices, run by tests/test_sharding.py in a fresh process (the simulated device
+count must be set before JAX starts):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.mesh_checks engine
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.mesh_checks profile OUT.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m tests.mesh_checks train
+    python -m tests.mesh_checks worker PROCESS_ID NUM_PROCESSES PORT OUT.json   # one process of a multi-process run
+
+Each prints one JSON line (``RESULT {...}``) that the test reads; a failed check raises.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+MESHES = ((1, 8), (2, 4), (4, 2), (8, 1))  # data x tensor
+GREEDY_POLICIES = ("none", "fixed:2", "dspark")
+
+
+def tiny_target_and_drafter(vocab: int = 64, scale: float = 0.3, seed: int = 0, block: int = 3):
+    """The engine tests' tiny random target (4 query heads, 2 KV heads, FFN 64: at tensor = 2 everything
+    splits, at 4 the KV heads replicate, at 8 both head counts do) and a one-layer drafter."""
+    import jax
+    from flax import nnx
+
+    from dspark_jax.models import drafter as dr
+    from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
+
+    cfg = LlamaConfig.tiny(vocab_size=vocab)
+    model = LlamaModel(cfg, init_random_weights(cfg, jax.random.key(seed), scale=scale), None)
+    dcfg = dr.DrafterConfig.for_target(cfg, n_layers=1, ffn_dim=32, rank=8, block=block)
+    d = dr.Drafter(dcfg, rngs=nnx.Rngs(seed))
+    d.w2.kernel[...] = 0.5 * jax.random.normal(jax.random.key(seed + 3), d.w2.kernel[...].shape)
+    return model, d
+
+
+def prompts(n: int, seed: int = 0, vocab: int = 64) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, size=rng.integers(2, 14)).tolist() for _ in range(n)]
+
+
+def run_engine(model, d, policy, ps, budgets, *, mesh=None, temperature=0.0, slots=8, warm=False):
+    """Outputs of an engine run (and the compilations after its warm-up, with ``warm``)."""
+    import numpy as np
+
+    from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.timing import compile_count
+
+    sps = np.linspace(10.0, 1.0, 48).astype(np.float32)
+    e = Engine(model, d, policy, EngineConfig(num_slots=slots, capacity=64, temperature=temperature, seed=3,
+                                              calibrate_times=False), sps=sps, stop_ids=[5], mesh=mesh)
+    if warm:
+        e.warm_up(max_prompt_tokens=max(len(p) for p in ps))
+    before = compile_count()
+    ids = [e.submit(p, b) for p, b in zip(ps, budgets)]
+    while not e.idle():
+        e.step()
+    return [e.requests[i].output_ids for i in ids], compile_count() - before, e
+
+
+def check_engine() -> dict:
+    """Greedy output of every policy on every mesh equals the single-device engine's; sampled output equals it
+    too (same keys, same law); no compilation after warm-up; the layout splits what divides."""
+    import jax
+
+    from dspark_jax.sharding import layout_report, make_mesh
+
+    assert jax.device_count() == 8, jax.devices()
+    model, d = tiny_target_and_drafter()
+    ps = prompts(5, seed=5)
+    budgets = [6, 3, 8, 1, 5]  # requests leave at different rounds
+    ref = {pol: run_engine(model, d, pol, ps, budgets)[0] for pol in GREEDY_POLICIES}
+    ref_sampled = run_engine(model, d, "fixed:2", ps, budgets, temperature=1.0)[0]
+    out = {"greedy": {}, "sampled": {}}
+    for data, tensor in MESHES:
+        mesh = make_mesh(data, tensor)
+        name = f"{data}x{tensor}"
+        for pol in GREEDY_POLICIES:
+            got, _, e = run_engine(model, d, pol, ps, budgets, mesh=mesh)
+            assert got == ref[pol], (name, pol, got, ref[pol])
+            out["greedy"][f"{name} {pol}"] = True
+        got, _, _ = run_engine(model, d, "fixed:2", ps, budgets, mesh=mesh, temperature=1.0)
+        assert got == ref_sampled, (name, "sampled", got, ref_sampled)
+        out["sampled"][name] = True
+        if name == "2x4":
+            layout = layout_report({"state": e.state, "weights": e.target.weights, "drafter": e.d_state})
+            out["layout_2x4"] = layout
+    # Nothing compiles after warm-up, on a mesh, with joins and leaves at every load.
+    _, compiles, e = run_engine(model, d, "dspark", prompts(7, seed=6), [4, 7, 2, 5, 3, 6, 1],
+                                mesh=make_mesh(4, 2), slots=4, warm=True)
+    assert compiles == 0, compiles
+    assert len({r.active for r in e.rounds}) > 1
+    out["compiles_after_warm_up"] = compiles
+    return out
+
+
+def check_law() -> dict:
+    """Sampled output on a 2x4 mesh follows the target's law (chi-square against exact enumeration)."""
+    import itertools
+
+    import numpy as np
+
+    from dspark_jax.sharding import make_mesh
+
+    model, d = tiny_target_and_drafter(vocab=4, scale=0.15, seed=1, block=2)
+    prompt, m, n_req = [1, 2, 3, 1], 2, 600
+    probs = {}
+    for n in range(m):
+        for prefix in itertools.product(range(4), repeat=n):
+            logits = np.asarray(model.score(prompt + list(prefix)))[-1]
+            p = np.exp(logits - logits.max())
+            probs[prefix] = p / p.sum()
+    law = np.zeros((4,) * m)
+    for z in itertools.product(range(4), repeat=m):
+        law[z] = np.prod([probs[z[:i]][z[i]] for i in range(m)])
+    got, _, e = run_engine(model, d, "dspark", [prompt] * n_req, [m] * n_req, mesh=make_mesh(2, 4),
+                           temperature=1.0, slots=16)
+    counts = np.zeros_like(law)
+    for o in got:
+        counts[tuple(o)] += 1
+    expected = law * n_req
+    big = expected >= 5
+    chi2 = float((((counts - expected) ** 2)[big] / expected[big]).sum())
+    small_obs, small_exp = counts[~big].sum(), expected[~big].sum()
+    if small_exp > 0:
+        chi2 += float((small_obs - small_exp) ** 2 / small_exp)
+    dof = int(big.sum()) + int(small_exp > 0) - 1
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3  # p = 0.001
+    assert chi2 < crit, (chi2, crit, dof)
+    assert e.summary()["drafts_per_request"] > 0
+    return {"chi2": chi2, "critical": float(crit), "dof": dof}
+
+
+def check_profile(out: str) -> dict:
+    """profile_sps on a 4x2 mesh writes a valid table recording the mesh; an engine on another mesh (or
+    on one device) refuses it unless told otherwise."""
+    import warnings
+
+    from dspark_jax.build import build_engine
+    from dspark_jax.sharding import make_mesh, table_mesh
+    from dspark_jax.sps import SPSTable
+    from profiling import profile_sps
+
+    table = profile_sps.main(["--tiny", "--quick", "--max-tokens", "16", "--context-lengths", "120", "--repeats",
+                              "1", "--no-host-speed", "--no-plot", "--tensor-parallel-size", "2",
+                              "--data-parallel-size", "4", "--out", out])
+    loaded = SPSTable.load(out)
+    assert loaded == table and table_mesh(loaded) == {"data": 4, "tensor": 2}, loaded.metadata.extra
+    assert loaded.metadata.extra["device_count"] == 8 and loaded.cost_model.overhead_s is not None
+    model, d = tiny_target_and_drafter(block=profile_sps.profiling.DEFAULT_BLOCK)
+    from dspark_jax.build import LoadedDrafter
+
+    loaded_d = LoadedDrafter(d, None, 0.7, None)
+    refused = {}
+    for mesh in (None, make_mesh(2, 4)):
+        try:
+            build_engine(model, "dspark", draft=loaded_d, sps=out, num_slots=4, capacity=64, mesh=mesh,
+                         model_name="tiny-random")
+            refused["1x1" if mesh is None else "2x4"] = False
+        except ValueError as e:
+            assert "mesh" in str(e) and "--allow-sps-mesh-mismatch" in str(e), e
+            refused["1x1" if mesh is None else "2x4"] = True
+    assert all(refused.values()), refused
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_engine(model, "dspark", draft=loaded_d, sps=out, num_slots=4, capacity=64, mesh=make_mesh(2, 4),
+                     model_name="tiny-random", allow_sps_mesh_mismatch=True)
+    assert any("mesh" in str(w.message) for w in caught)
+    engine = build_engine(model, "dspark", draft=loaded_d, sps=out, num_slots=4, capacity=64, mesh=make_mesh(4, 2),
+                          model_name="tiny-random")
+    got = engine.run(prompts(3, seed=9), 4)
+    assert all(len(c.output_ids) >= 1 for c in got)
+    return {"mesh": table_mesh(loaded), "refused": refused}
+
+
+def check_train() -> dict:
+    """One drafter training step data-parallel on a 2-device mesh equals the single-device step."""
+    from dspark_jax import training
+
+    return training.data_parallel_step_check()
+
+
+def worker(process_id: int, num_processes: int, port: int, out: str) -> dict:
+    """One process of a multi-process run (``jax.distributed`` over localhost, CPU collectives): the engine
+    on a mesh over every process's devices, every process feeding the same requests."""
+    from dspark_jax.sharding import initialize_distributed, make_mesh
+
+    initialize_distributed(f"127.0.0.1:{port}", num_processes, process_id)
+    import jax
+
+    model, d = tiny_target_and_drafter()
+    ps = prompts(5, seed=5)
+    budgets = [6, 3, 8, 1, 5]
+    res = {}
+    for pol, (data, tensor) in (("dspark", (num_processes, 1)), ("fixed:2", (1, num_processes))):
+        res[f"{pol} {data}x{tensor}"] = run_engine(model, d, pol, ps, budgets, mesh=make_mesh(data, tensor))[0]
+    result = {"process": jax.process_index(), "devices": jax.device_count(), "outputs": res}
+    with open(out, "w") as f:
+        json.dump(result, f)
+    return result
+
+
+def single_process_reference() -> dict:
+    """What `worker` computes, on one device."""
+    model, d = tiny_target_and_drafter()
+    ps = prompts(5, seed=5)
+    budgets = [6, 3, 8, 1, 5]
+    return {pol: run_engine(model, d, pol, ps, budgets)[0] for pol in ("dspark", "fixed:2")}
+
+
+def main(argv: list[str]) -> None:
+    what = argv[0]
+    if what == "engine":
+        result = check_engine()
+        result["law"] = check_law()
+    elif what == "profile":
+        result = check_profile(argv[1])
+    elif what == "train":
+        result = check_train()
+    elif what == "worker":
+        result = worker(int(argv[1]), int(argv[2]), int(argv[3]), argv[4])
+    elif what == "reference":
+        result = single_process_reference()
+    else:
+        raise SystemExit(f"unknown check {what!r}")
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
