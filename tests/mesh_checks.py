@@ -62,39 +62,48 @@ def run_engine(model, d, policy, ps, budgets, *, mesh=None, temperature=0.0, slo
 
 
 def check_engine() -> dict:
-    """Greedy output of every policy on every mesh equals the single-device engine's; sampled output equals it
-    too (same keys, same law); no compilation after warm-up; the layout splits what divides."""
+    """On every mesh, greedy dspark output equals the single-device engine's; on 2x4 also none and fixed:2,
+    and sampled output (same keys: same tokens, so the same law); no compilation after warm-up; the layout
+    splits what divides."""
     import jax
 
     from dspark_jax.sharding import layout_report, make_mesh
 
     assert jax.device_count() == 8, jax.devices()
     model, d = tiny_target_and_drafter()
-    ps = prompts(5, seed=5)
-    budgets = [6, 3, 8, 1, 5]  # requests leave at different rounds
+    ps = prompts(3, seed=5)
+    budgets = [6, 3, 5]  # requests leave at different rounds
     ref = {pol: run_engine(model, d, pol, ps, budgets)[0] for pol in GREEDY_POLICIES}
     ref_sampled = run_engine(model, d, "fixed:2", ps, budgets, temperature=1.0)[0]
     out = {"greedy": {}, "sampled": {}}
     for data, tensor in MESHES:
         mesh = make_mesh(data, tensor)
         name = f"{data}x{tensor}"
-        for pol in GREEDY_POLICIES:
+        for pol in GREEDY_POLICIES if name == "2x4" else ("dspark",):
             got, _, e = run_engine(model, d, pol, ps, budgets, mesh=mesh)
             assert got == ref[pol], (name, pol, got, ref[pol])
             out["greedy"][f"{name} {pol}"] = True
-        got, _, _ = run_engine(model, d, "fixed:2", ps, budgets, mesh=mesh, temperature=1.0)
-        assert got == ref_sampled, (name, "sampled", got, ref_sampled)
-        out["sampled"][name] = True
+            log(f"{name} {pol} greedy ok")
         if name == "2x4":
-            layout = layout_report({"state": e.state, "weights": e.target.weights, "drafter": e.d_state})
-            out["layout_2x4"] = layout
-    # Nothing compiles after warm-up, on a mesh, with joins and leaves at every load.
-    _, compiles, e = run_engine(model, d, "dspark", prompts(7, seed=6), [4, 7, 2, 5, 3, 6, 1],
-                                mesh=make_mesh(4, 2), slots=4, warm=True)
+            out["layout_2x4"] = layout_report({"state": e.state, "weights": e.target.weights, "drafter": e.d_state})
+            got, _, _ = run_engine(model, d, "fixed:2", ps, budgets, mesh=mesh, temperature=1.0)
+            assert got == ref_sampled, (name, "sampled", got, ref_sampled)
+            out["sampled"][name] = True
+            log(f"{name} sampled ok")
+    # Nothing compiles after warm-up, on a mesh, with joins and leaves.
+    _, compiles, e = run_engine(model, d, "dspark", prompts(5, seed=6), [4, 7, 2, 5, 3], mesh=make_mesh(2, 4),
+                                slots=2, warm=True)
     assert compiles == 0, compiles
     assert len({r.active for r in e.rounds}) > 1
     out["compiles_after_warm_up"] = compiles
+    log("warm-up ok")
     return out
+
+
+def log(msg: str) -> None:
+    import time
+
+    print(f"[{time.process_time():.0f} s cpu] {msg}", file=sys.stderr, flush=True)
 
 
 def check_law() -> dict:
@@ -106,7 +115,7 @@ def check_law() -> dict:
     from dspark_jax.sharding import make_mesh
 
     model, d = tiny_target_and_drafter(vocab=4, scale=0.15, seed=1, block=2)
-    prompt, m, n_req = [1, 2, 3, 1], 2, 600
+    prompt, m, n_req = [1, 2, 3, 1], 2, 400
     probs = {}
     for n in range(m):
         for prefix in itertools.product(range(4), repeat=n):
@@ -131,6 +140,7 @@ def check_law() -> dict:
     crit = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3  # p = 0.001
     assert chi2 < crit, (chi2, crit, dof)
     assert e.summary()["drafts_per_request"] > 0
+    log("law ok")
     return {"chi2": chi2, "critical": float(crit), "dof": dof}
 
 
@@ -145,11 +155,11 @@ def check_profile(out: str) -> dict:
     from profiling import profile_sps
 
     table = profile_sps.main(["--tiny", "--quick", "--max-tokens", "16", "--context-lengths", "120", "--repeats",
-                              "1", "--no-host-speed", "--no-plot", "--tensor-parallel-size", "2",
+                              "1", "--no-host-speed", "--no-plot", "--no-overhead", "--tensor-parallel-size", "2",
                               "--data-parallel-size", "4", "--out", out])
     loaded = SPSTable.load(out)
     assert loaded == table and table_mesh(loaded) == {"data": 4, "tensor": 2}, loaded.metadata.extra
-    assert loaded.metadata.extra["device_count"] == 8 and loaded.cost_model.overhead_s is not None
+    assert loaded.metadata.extra["device_count"] == 8
     model, d = tiny_target_and_drafter(block=profile_sps.profiling.DEFAULT_BLOCK)
     from dspark_jax.build import LoadedDrafter
 
@@ -178,9 +188,47 @@ def check_profile(out: str) -> dict:
 
 def check_train() -> dict:
     """One drafter training step data-parallel on a 2-device mesh equals the single-device step."""
-    from dspark_jax import training
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
 
-    return training.data_parallel_step_check()
+    from dspark_jax import training
+    from dspark_jax.models import drafter as dr
+    from dspark_jax.sharding import make_mesh
+
+    model, d = tiny_target_and_drafter(block=3)
+    cfg = d.cfg
+    N, S, B, G, D = 4, 24, 3, cfg.block, model.cfg.dim
+    rng = np.random.default_rng(0)
+    final = rng.normal(size=(N, B, G, D)).astype(np.float32)
+    logits = final @ np.asarray(model.weights.embed).T
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    batch = {"taps": jnp.asarray(rng.normal(size=(N, S, cfg.n_taps, D)).astype(np.float32)),
+             "tokens": jnp.asarray(rng.integers(0, cfg.vocab_size, (N, S)).astype(np.int32)),
+             "anchors": jnp.asarray(rng.integers(1, S - G - 1, (N, B)).astype(np.int32)),
+             "valid": jnp.asarray(rng.random((N, B, G)) < 0.9), "final": jnp.asarray(final),
+             "lse": jnp.asarray(lse.astype(np.float32))}
+    tx = training.make_optimizer(training.TrainConfig(steps=10, lr=1e-2))
+    graphdef, params, buffers = nnx.split(d, nnx.Param, ...)
+    step = training.make_train_step(graphdef, training.LossConfig(), tx)
+    embed, lm_head = model.weights.embed, model.weights.lm_head
+    ref_params, _, ref_m = step(params, buffers, tx.init(params), batch, embed, lm_head)
+    mesh = make_mesh(2, 1)
+    p2, b2, o2, e2, h2 = training.replicate((params, buffers, tx.init(params), embed, lm_head), mesh)
+    sharded = training.shard_batch(batch, mesh)
+    assert sharded["taps"].sharding.spec[0] == "data", sharded["taps"].sharding
+    new_params, _, m = step(p2, b2, o2, sharded, e2, h2)
+    assert m["loss"].sharding.is_fully_replicated, m["loss"].sharding
+    np.testing.assert_allclose(float(m["loss"]), float(ref_m["loss"]), rtol=1e-5)
+    worst = 0.0
+    for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(new_params)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+        worst = max(worst, float(np.max(np.abs(np.asarray(b) - np.asarray(a)))))
+    moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
+                zip(jax.tree.leaves(ref_params), jax.tree.leaves(params)))
+    assert moved > 1e-4  # the step changed the parameters, so equal results are a real comparison
+    return {"loss": float(m["loss"]), "max_abs_param_diff": worst, "param_change": moved}
 
 
 def worker(process_id: int, num_processes: int, port: int, out: str) -> dict:
