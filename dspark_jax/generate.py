@@ -18,9 +18,11 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
 from dspark_jax.build import add_engine_arguments, engine_from_args, load_target
-from dspark_jax.sharding import mesh_from_args
 from dspark_jax.engine import parse_policy
+from dspark_jax.sharding import mesh_from_args
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
         "concurrency": args.concurrency,
     }
-    if args.json_out:
+    if args.json_out and jax.process_index() == 0:  # under jax.distributed every process holds the same results
         Path(args.json_out).write_text(json.dumps(report, ensure_ascii=False, indent=1), encoding="utf-8")
     return report
 

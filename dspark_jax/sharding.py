@@ -100,7 +100,7 @@ def make_mesh(data: int = 1, tensor: int = 1, devices: Sequence[Any] | None = No
     Raises:
       ValueError: a size below 1, or M * N different from the number of devices.
 
-    >>> make_mesh(1, 1, jax.devices()[:1]).shape
+    >>> dict(make_mesh(1, 1, jax.devices()[:1]).shape)
     {'data': 1, 'tensor': 1}
     """
     data, tensor = int(data), int(tensor)
@@ -235,9 +235,9 @@ def spec_for(shape: Sequence[int], axes: Axes, mesh: Mesh, *, units: Mapping[str
 
     >>> m = make_mesh(1, 1, jax.devices()[:1])
     >>> spec_for((4, 6), Axes("slots", "heads"), m)
-    PartitionSpec('data', 'tensor')
+    P('data', 'tensor')
     >>> spec_for((4, 6), Axes("heads", None), make_mesh(1, 1, jax.devices()[:1]))
-    PartitionSpec('tensor',)
+    P('tensor',)
     """
     if len(axes.names) != len(shape):
         raise ValueError(f"logical axes {axes.names} do not match an array of shape {tuple(shape)}")
@@ -372,12 +372,18 @@ def to_host(tree: Any) -> Any:
     >>> to_host({"a": jax.numpy.arange(3)})["a"].tolist()
     [0, 1, 2]
     """
+    def remote(x):
+        return isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated)
+
+    if not any(remote(x) for x in jax.tree.leaves(tree)):
+        return jax.device_get(tree)  # one process (or replicated values): one batched copy
+
     def get(x):
-        if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        if remote(x):
             from jax.experimental import multihost_utils  # noqa: PLC0415
 
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(x) if isinstance(x, (jax.Array, np.ndarray)) else x
+        return np.asarray(x) if isinstance(x, jax.Array) else x
 
     return jax.tree.map(get, tree)
 

@@ -62,41 +62,47 @@ def run_engine(model, d, policy, ps, budgets, *, mesh=None, temperature=0.0, slo
 
 
 def check_engine() -> dict:
-    """On every mesh, greedy dspark output equals the single-device engine's; on 2x4 also none and fixed:2,
-    and sampled output (same keys: same tokens, so the same law); no compilation after warm-up; the layout
-    splits what divides."""
+    """Greedy output equals plain decoding on one device (what every policy's greedy output is): dspark on
+    every mesh, none and fixed:2 as well on 2x4; sampled output on 2x4 equals the single-device engine's
+    (same keys, same tokens); no compilation after warm-up; the layout splits what divides."""
     import jax
 
     from dspark_jax.sharding import layout_report, make_mesh
 
     assert jax.device_count() == 8, jax.devices()
     model, d = tiny_target_and_drafter()
-    ps = prompts(3, seed=5)
-    budgets = [6, 3, 5]  # requests leave at different rounds
-    ref = {pol: run_engine(model, d, pol, ps, budgets)[0] for pol in GREEDY_POLICIES}
-    ref_sampled = run_engine(model, d, "fixed:2", ps, budgets, temperature=1.0)[0]
+    ps, budgets = prompts(3, seed=5), [6, 3, 5]  # requests leave at different rounds
+    ps2, budgets2 = prompts(5, seed=6), [4, 7, 2, 5, 3]  # on two slots: joins and leaves
+    ref = run_engine(model, d, "none", ps, budgets)[0]
+    ref2 = run_engine(model, d, "none", ps2, budgets2, slots=2)[0]
+    ref_sampled = run_engine(model, d, "fixed:2", ps2, budgets2, slots=2, temperature=1.0)[0]
+    log("single-device references")
     out = {"greedy": {}, "sampled": {}}
-    for data, tensor in MESHES:
-        mesh = make_mesh(data, tensor)
-        name = f"{data}x{tensor}"
-        for pol in GREEDY_POLICIES if name == "2x4" else ("dspark",):
-            got, _, e = run_engine(model, d, pol, ps, budgets, mesh=mesh)
-            assert got == ref[pol], (name, pol, got, ref[pol])
-            out["greedy"][f"{name} {pol}"] = True
-            log(f"{name} {pol} greedy ok")
-        if name == "2x4":
-            out["layout_2x4"] = layout_report({"state": e.state, "weights": e.target.weights, "drafter": e.d_state})
-            got, _, _ = run_engine(model, d, "fixed:2", ps, budgets, mesh=mesh, temperature=1.0)
-            assert got == ref_sampled, (name, "sampled", got, ref_sampled)
-            out["sampled"][name] = True
-            log(f"{name} sampled ok")
-    # Nothing compiles after warm-up, on a mesh, with joins and leaves.
-    _, compiles, e = run_engine(model, d, "dspark", prompts(5, seed=6), [4, 7, 2, 5, 3], mesh=make_mesh(2, 4),
-                                slots=2, warm=True)
+    mesh = make_mesh(2, 4)
+    # 2x4, two slots: warm-up compiles every shape, then the run compiles nothing; the other policies share
+    # most of its programs.
+    got, compiles, e = run_engine(model, d, "dspark", ps2, budgets2, mesh=mesh, slots=2, warm=True)
+    assert got == ref2, ("2x4 dspark", got, ref2)
     assert compiles == 0, compiles
     assert len({r.active for r in e.rounds}) > 1
     out["compiles_after_warm_up"] = compiles
-    log("warm-up ok")
+    out["greedy"]["2x4 dspark"] = True
+    out["layout_2x4"] = layout_report({"state": e.state, "weights": e.target.weights, "drafter": e.d_state})
+    log("2x4 dspark greedy after warm-up ok")
+    for pol in ("none", "fixed:2"):
+        got = run_engine(model, d, pol, ps2, budgets2, mesh=mesh, slots=2)[0]
+        assert got == ref2, ("2x4", pol, got, ref2)
+        out["greedy"][f"2x4 {pol}"] = True
+        log(f"2x4 {pol} greedy ok")
+    got = run_engine(model, d, "fixed:2", ps2, budgets2, mesh=mesh, slots=2, temperature=1.0)[0]
+    assert got == ref_sampled, ("2x4 sampled", got, ref_sampled)
+    out["sampled"]["2x4"] = True
+    log("2x4 sampled ok")
+    for data, tensor in ((1, 8), (4, 2), (8, 1)):  # eight slots: split over data everywhere
+        got = run_engine(model, d, "dspark", ps, budgets, mesh=make_mesh(data, tensor))[0]
+        assert got == ref, (f"{data}x{tensor}", got, ref)
+        out["greedy"][f"{data}x{tensor} dspark"] = True
+        log(f"{data}x{tensor} dspark greedy ok")
     return out
 
 
@@ -107,7 +113,8 @@ def log(msg: str) -> None:
 
 
 def check_law() -> dict:
-    """Sampled output on a 2x4 mesh follows the target's law (chi-square against exact enumeration)."""
+    """Sampled output on a 2x4 mesh follows the target's law (chi-square against exact enumeration of the
+    first three tokens; cells expected below 5 pooled)."""
     import itertools
 
     import numpy as np
@@ -115,7 +122,7 @@ def check_law() -> dict:
     from dspark_jax.sharding import make_mesh
 
     model, d = tiny_target_and_drafter(vocab=4, scale=0.15, seed=1, block=2)
-    prompt, m, n_req = [1, 2, 3, 1], 2, 400
+    prompt, m, n_req = [1, 2, 3, 1], 3, 480
     probs = {}
     for n in range(m):
         for prefix in itertools.product(range(4), repeat=n):
@@ -209,7 +216,9 @@ def check_train() -> dict:
              "anchors": jnp.asarray(rng.integers(1, S - G - 1, (N, B)).astype(np.int32)),
              "valid": jnp.asarray(rng.random((N, B, G)) < 0.9), "final": jnp.asarray(final),
              "lse": jnp.asarray(lse.astype(np.float32))}
-    tx = training.make_optimizer(training.TrainConfig(steps=10, lr=1e-2))
+    import optax
+
+    tx = optax.sgd(1.0)  # the parameters move by the gradients: equal steps mean equal gradients
     graphdef, params, buffers = nnx.split(d, nnx.Param, ...)
     step = training.make_train_step(graphdef, training.LossConfig(), tx)
     embed, lm_head = model.weights.embed, model.weights.lm_head

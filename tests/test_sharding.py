@@ -18,6 +18,9 @@ from dspark_jax.models.llama import SMOLLM2_135M, LlamaConfig, init_random_weigh
 from dspark_jax.sharding import Axes, make_mesh, spec_for
 
 ROOT = Path(__file__).resolve().parents[1]
+# Compilation dominates these checks on a 2-core host: XLA's cheaper optimisation level (both sides of every
+# comparison run in the same process, under the same flags).
+FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
 class FakeMesh:
@@ -65,6 +68,16 @@ def test_mesh_size_must_match_the_devices():
     assert sharding.mesh_shape(make_mesh(1, 1, jax.devices()[:1])) == {"data": 1, "tensor": 1}
 
 
+def test_every_engine_command_takes_the_mesh_options():
+    from dspark_jax.generate import build_parser
+
+    args = build_parser().parse_args(["--prompt", "hi", "--tensor-parallel-size", "2", "--data-parallel-size", "3"])
+    assert (args.tensor_parallel_size, args.data_parallel_size, args.allow_sps_mesh_mismatch) == (2, 3, False)
+    with pytest.raises(ValueError, match=r"3 x --tensor-parallel-size 2 = 6 devices, but 1 are in use"):
+        sharding.mesh_from_args(args)  # this process has one CPU device
+    assert sharding.mesh_from_args(build_parser().parse_args(["--prompt", "hi"])) is None
+
+
 def test_packaged_tables_count_as_one_device():
     from dspark_jax.build import sps_table_for
 
@@ -83,7 +96,7 @@ def test_packaged_tables_count_as_one_device():
 
 
 def _run(args, devices, timeout, env_extra=None):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
                JAX_PLATFORMS="cpu", **(env_extra or {}))
     proc = subprocess.run([sys.executable, "-m", "tests.mesh_checks", *args], cwd=ROOT, env=env, timeout=timeout,
                           capture_output=True, text=True)
@@ -93,16 +106,16 @@ def _run(args, devices, timeout, env_extra=None):
 
 
 def test_engine_on_eight_devices_equals_one_device():
-    """Meshes 1x8, 2x4, 4x2, 8x1: greedy dspark output equals the single-device engine's (on 2x4 also none,
-    fixed:2 and sampled output); no compilation after warm-up; sampled output on 2x4 follows the target's
-    law."""
+    """Meshes 1x8, 2x4, 4x2, 8x1: greedy dspark output equals plain decoding on one device (on 2x4 also none
+    and fixed:2, and sampled output equals the single-device engine's); no compilation after warm-up; sampled
+    output on 2x4 follows the target's law."""
     result = _run(["engine"], 8, timeout=900)
     assert set(result["greedy"]) == {"1x8 dspark", "2x4 none", "2x4 fixed:2", "2x4 dspark", "4x2 dspark",
                                      "8x1 dspark"} and all(result["greedy"].values())
     assert set(result["sampled"]) == {"2x4"}
     assert result["compiles_after_warm_up"] == 0
     layout = result["layout_2x4"]
-    assert layout["state.cache.k"] == "(None, 'data')"  # the tiny model's 2 KV heads replicate at tensor = 4
+    assert layout["state.cache.k"] == "(None, 'data')"  # 2 slots split; the 2 KV heads replicate at tensor = 4
     assert layout["weights.layers.wq"] == "(None, None, 'tensor')"  # its 4 query heads split
     assert layout["weights.layers.w_gate"] == "(None, None, 'tensor')"
     assert layout["weights.embed"] == "('tensor',)"
@@ -131,7 +144,8 @@ def test_two_processes_give_the_one_process_greedy_output(tmp_path):
     """jax.distributed over localhost: two CPU processes, one device each, a mesh over both (data 2, then
     tensor 2), every process feeding the same requests: the greedy output of one process."""
     port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}")
     outs = [tmp_path / f"p{i}.json" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.mesh_checks", "worker", str(i), "2", str(port),
                                str(outs[i])], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
