@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
         build_parser().error(str(e))
     mesh = mesh_from_args(args)  # before anything touches JAX (a multi-process run joins here)
-    model = load_target(args.model, dtype=args.dtype, mesh=mesh)
+    if mesh is None:
+        model = load_target(args.model, dtype=args.dtype)
+    else:
+        model = load_target(args.model, dtype=args.dtype, mesh=mesh)
     tok = model.tokenizer
     prompt_ids = [tok.encode_chat([p]) for p in prompts]
     engine = engine_from_args(args, model, num_slots=args.concurrency,

@@ -108,7 +108,7 @@ def _run(args, devices, timeout, env_extra=None):
 def test_engine_on_eight_devices_equals_one_device():
     """Meshes 1x8, 2x4, 4x2, 8x1: greedy dspark output equals plain decoding on one device (on 2x4 also none
     and fixed:2, and sampled output equals the single-device engine's); no compilation after warm-up; sampled
-    output on 2x4 follows the target's law."""
+    output on a mesh follows the target's law."""
     result = _run(["engine"], 8, timeout=900)
     assert set(result["greedy"]) == {"1x8 dspark", "2x4 none", "2x4 fixed:2", "2x4 dspark", "4x2 dspark",
                                      "8x1 dspark"} and all(result["greedy"].values())
@@ -141,8 +141,8 @@ def _free_port() -> int:
 
 @pytest.mark.multiprocess
 def test_two_processes_give_the_one_process_greedy_output(tmp_path):
-    """jax.distributed over localhost: two CPU processes, one device each, a mesh over both (data 2, then
-    tensor 2), every process feeding the same requests: the greedy output of one process."""
+    """jax.distributed over localhost: two CPU processes, one device each, a 2x1 mesh over both (the slots
+    split between the processes), every process feeding the same requests: the greedy output of one."""
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}")
@@ -166,5 +166,4 @@ def test_two_processes_give_the_one_process_greedy_output(tmp_path):
 
     ref = single_process_reference()
     for r in results:
-        assert r["outputs"]["dspark 2x1"] == ref["dspark"]
-        assert r["outputs"]["fixed:2 1x2"] == ref["fixed:2"]
+        assert r["outputs"]["dspark"] == ref["dspark"]
