@@ -63,8 +63,8 @@ def run_engine(model, d, policy, ps, budgets, *, mesh=None, temperature=0.0, slo
 
 def check_engine() -> dict:
     """Greedy output equals plain decoding on one device (what every policy's greedy output is): dspark on
-    every mesh, none and fixed:2 as well on 2x4; sampled output on 2x4 equals the single-device engine's
-    (same keys, same tokens); no compilation after warm-up; the layout splits what divides."""
+    every mesh, none and fixed:2 as well on 2x4; no compilation after warm-up; the layout splits what
+    divides. (Sampling on a mesh: `check_law`.)"""
     import jax
 
     from dspark_jax.sharding import layout_report, make_mesh
@@ -75,9 +75,8 @@ def check_engine() -> dict:
     ps2, budgets2 = prompts(5, seed=6), [4, 7, 2, 5, 3]  # on two slots: joins and leaves
     ref = run_engine(model, d, "none", ps, budgets)[0]
     ref2 = run_engine(model, d, "none", ps2, budgets2, slots=2)[0]
-    ref_sampled = run_engine(model, d, "fixed:2", ps2, budgets2, slots=2, temperature=1.0)[0]
     log("single-device references")
-    out = {"greedy": {}, "sampled": {}}
+    out = {"greedy": {}}
     mesh = make_mesh(2, 4)
     # 2x4, two slots: warm-up compiles every shape, then the run compiles nothing; the other policies share
     # most of its programs.
@@ -94,10 +93,6 @@ def check_engine() -> dict:
         assert got == ref2, ("2x4", pol, got, ref2)
         out["greedy"][f"2x4 {pol}"] = True
         log(f"2x4 {pol} greedy ok")
-    got = run_engine(model, d, "fixed:2", ps2, budgets2, mesh=mesh, slots=2, temperature=1.0)[0]
-    assert got == ref_sampled, ("2x4 sampled", got, ref_sampled)
-    out["sampled"]["2x4"] = True
-    log("2x4 sampled ok")
     for data, tensor in ((1, 8), (4, 2), (8, 1)):  # eight slots: split over data everywhere
         got = run_engine(model, d, "dspark", ps, budgets, mesh=make_mesh(data, tensor))[0]
         assert got == ref, (f"{data}x{tensor}", got, ref)
@@ -115,7 +110,7 @@ def log(msg: str) -> None:
 def check_law() -> dict:
     """Sampled output on a 1x2 mesh (two of the devices: cheaper to dispatch 1000 small programs on) follows
     the target's law (chi-square against exact enumeration of the first three tokens; cells expected below 5
-    pooled). The meshes of `check_engine` give the single-device engine's samples."""
+    pooled)."""
     import jax
 
     import itertools
