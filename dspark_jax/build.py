@@ -56,13 +56,14 @@ def target_name(model: str | Path | None) -> str:
     return MODEL_FILE if model is None else Path(model).name
 
 
-def load_target(model: str | Path | None = None, *, dtype: Any = None) -> LlamaModel:
+def load_target(model: str | Path | None = None, *, dtype: Any = None, mesh: Any = None) -> LlamaModel:
     """Load a target model: None (the embedded default, SmolLM2-135M-Instruct's GGUF, fetched once), a GGUF
     file, or a Hugging Face checkpoint folder (``config.json`` + ``*.safetensors`` + ``tokenizer.json``).
 
     Args:
       model: the path, or None.
       dtype: a dtype or its name (`parse_dtype`); None: ``auto``.
+      mesh: optional device mesh (`sharding.make_mesh`): the weights are laid out on it (`sharding.RULES`).
     Raises:
       ValueError: naming the path and what was expected, before any weight is read.
 
@@ -71,6 +72,11 @@ def load_target(model: str | Path | None = None, *, dtype: Any = None) -> LlamaM
     ...
     ValueError: --model no/such/model.gguf: no such file or folder (expected a GGUF file or a Hugging Face checkpoint folder)
     """
+    if mesh is not None:
+        from dspark_jax.sharding import place_target_weights  # noqa: PLC0415
+
+        loaded = load_target(model, dtype=dtype)
+        return LlamaModel(loaded.cfg, place_target_weights(loaded.weights, loaded.cfg, mesh), loaded.tokenizer)
     dtype = parse_dtype(dtype) if dtype is None or isinstance(dtype, str) else dtype
     if model is None:
         return LlamaModel.from_gguf(None, dtype=dtype)
@@ -117,13 +123,23 @@ def load_drafter_for(target: LlamaModel, draft: str | Path | None = "dspark") ->
     return LoadedDrafter(drafter, temps, prior_confidence(path, EngineConfig.prior_confidence), path)
 
 
-def sps_table_for(model_name: str, block: int, path: str | Path | None = None):
-    """The SPS table for a target and block: the file at `path`, else the packaged table chosen for this host."""
+def sps_table_for(model_name: str, block: int, path: str | Path | None = None, *, mesh: Any = None,
+                  allow_mesh_mismatch: bool = False):
+    """The SPS table for a target and block: the file at `path`, else the packaged table chosen for this host.
+
+    The table must have been measured on the engine's ``mesh`` (None: one device; the packaged tables were):
+    another mesh's is refused with a ValueError unless ``allow_mesh_mismatch`` (`sharding.check_table_mesh`).
+    """
+    from dspark_jax.sharding import check_table_mesh  # noqa: PLC0415
     from dspark_jax.sps import default_sps_table, load_sps_table  # noqa: PLC0415
 
     if path is not None:
-        return load_sps_table(path, model=model_name, block=block)
-    return default_sps_table(model=model_name)
+        table = load_sps_table(path, model=model_name, block=block)
+    else:
+        table = default_sps_table(model=model_name)
+    check_table_mesh(table, mesh, allow_mismatch=allow_mesh_mismatch,
+                     source=f"SPS table {path}" if path is not None else "the packaged SPS table")
+    return table
 
 
 def cache_capacity(max_prompt_tokens: int, max_new_tokens: int, block: int, step: int = 128) -> int:
@@ -138,7 +154,8 @@ def cache_capacity(max_prompt_tokens: int, max_new_tokens: int, block: int, step
 def build_engine(target: LlamaModel, policy: str = "dspark", *, draft: str | Path | LoadedDrafter | None = "dspark",
                  sps: Any = None, num_slots: int = 16, max_prompt_tokens: int = 256, max_new_tokens: int = 256,
                  capacity: int | None = None, temperature: float = 0.0, seed: int = 0,
-                 model_name: str | None = None, **config: Any) -> Engine:
+                 model_name: str | None = None, mesh: Any = None, allow_sps_mesh_mismatch: bool = False,
+                 **config: Any) -> Engine:
     """An engine for a loaded target.
 
     Args:
@@ -150,6 +167,8 @@ def build_engine(target: LlamaModel, policy: str = "dspark", *, draft: str | Pat
       max_prompt_tokens, max_new_tokens: size the cache (unless `capacity` is given).
       temperature, seed: sampling (0: greedy).
       model_name: the name SPS tables record for the target (default: SmolLM2's GGUF file name).
+      mesh: optional ``(data, tensor)`` device mesh (`sharding.make_mesh`) the engine runs on.
+      allow_sps_mesh_mismatch: use an SPS table measured on another mesh (otherwise refused).
       **config: any other `EngineConfig` field.
 
     With a target and a drafter of one's own (here tiny and random), speculative decoding gives exactly the
@@ -178,7 +197,13 @@ def build_engine(target: LlamaModel, policy: str = "dspark", *, draft: str | Pat
         from dspark_jax.sps import SPSTable  # noqa: PLC0415
 
         name = model_name or target_name(None)
-        table = sps if isinstance(sps, SPSTable) else sps_table_for(name, block, sps)
+        if isinstance(sps, SPSTable):
+            from dspark_jax.sharding import check_table_mesh  # noqa: PLC0415
+
+            check_table_mesh(sps, mesh, allow_mismatch=allow_sps_mesh_mismatch)
+            table = sps
+        else:
+            table = sps_table_for(name, block, sps, mesh=mesh, allow_mesh_mismatch=allow_sps_mesh_mismatch)
     if capacity is None:
         capacity = cache_capacity(max_prompt_tokens, max_new_tokens, block)
     if loaded is not None:
@@ -187,11 +212,16 @@ def build_engine(target: LlamaModel, policy: str = "dspark", *, draft: str | Pat
     cfg = EngineConfig(num_slots=int(num_slots), capacity=int(capacity), temperature=float(temperature),
                        seed=int(seed), **config)
     return Engine(target, loaded.drafter if loaded is not None else None, pol, cfg,
-                  sts_temperatures=loaded.sts_temperatures if loaded is not None else None, sps=table)
+                  sts_temperatures=loaded.sts_temperatures if loaded is not None else None, sps=table, mesh=mesh)
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
-    """``--model``, ``--dtype`` (and ``--draft``): the options of every command that loads a model."""
+    """``--model``, ``--dtype`` (and ``--draft``), and the device mesh (`sharding.add_mesh_arguments`:
+    ``--tensor-parallel-size``, ``--data-parallel-size``, multi-process options): the options of every command
+    that loads a model. Call `sharding.mesh_from_args` before loading it."""
+    from dspark_jax.sharding import add_mesh_arguments  # noqa: PLC0415
+
+    add_mesh_arguments(p)
     p.add_argument("--model", help="a GGUF file or a Hugging Face checkpoint folder (default: the embedded "
                                    "SmolLM2-135M-Instruct GGUF, fetched once)")
     p.add_argument("--dtype", default="auto", help="weights: auto (bfloat16 on an accelerator, float32 on CPU), "
@@ -206,13 +236,21 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, policy: str = "dspark") 
     add_model_arguments(p)
     p.add_argument("--policy", default=policy, help="none | fixed:K | threshold:C | dspark | dspark-async")
     p.add_argument("--sps", help="SPS table JSON (default: the packaged table chosen for this host)")
+    p.add_argument("--allow-sps-mesh-mismatch", action="store_true",
+                   help="use an SPS table measured on another mesh than --data/--tensor-parallel-size's")
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     p.add_argument("--seed", type=int, default=0)
 
 
 def engine_from_args(args: argparse.Namespace, target: LlamaModel, *, num_slots: int, max_prompt_tokens: int,
-                     max_new_tokens: int, **config: Any) -> Engine:
-    """`build_engine` with the options `add_engine_arguments` declared."""
+                     max_new_tokens: int, mesh: Any = None, **config: Any) -> Engine:
+    """`build_engine` with the options `add_engine_arguments` declared (``mesh``: default
+    `sharding.mesh_from_args`)."""
+    if mesh is None:
+        from dspark_jax.sharding import mesh_from_args  # noqa: PLC0415
+
+        mesh = mesh_from_args(args)
     return build_engine(target, args.policy, draft=args.draft, sps=args.sps, num_slots=num_slots,
                         max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
-                        temperature=args.temperature, seed=args.seed, model_name=target_name(args.model), **config)
+                        temperature=args.temperature, seed=args.seed, model_name=target_name(args.model), mesh=mesh,
+                        allow_sps_mesh_mismatch=getattr(args, "allow_sps_mesh_mismatch", False), **config)

@@ -70,7 +70,7 @@ from dspark_jax.models.llama import (
 )
 
 __all__ = ["Policy", "parse_policy", "POLICY_NAMES", "EngineConfig", "Engine", "RoundStats", "Completion",
-           "SamplingParams"]
+           "SamplingParams", "engine_state_axes"]
 
 POLICY_NAMES = ("none", "fixed:K", "threshold:C", "dspark", "dspark-async")
 
@@ -268,6 +268,17 @@ class EngineState:
         return dataclasses.replace(self, **kw)
 
 
+def engine_state_axes(state: EngineState):
+    """Logical axes of an `EngineState` (`sharding.Axes`): everything per slot splits with the slots."""
+    from dspark_jax.sharding import Axes, drafter_cache_axes, kv_cache_axes  # noqa: PLC0415
+
+    return EngineState(
+        cache=kv_cache_axes(), dcache=None if state.dcache is None else drafter_cache_axes(),
+        anchor=Axes("slots"), active=Axes("slots"), request=Axes("slots"), generated=Axes("slots"),
+        max_new=Axes("slots"), conf_hist=Axes(None, "slots", None), conf_ema=Axes("slots", None),
+        skipped=Axes(), conf_global=Axes(None), accept_seen=Axes(None))
+
+
 class DraftOut(NamedTuple):
     tokens: jax.Array  # int32 [R, G]
     probs: jax.Array  # float32 [R, G, W]
@@ -375,6 +386,10 @@ class Engine:
       sps: for the ``dspark`` policies, an `SPSTable` (its cost model, when it has one, gives a fresh
         steps/s curve every round for the round's requests and context) or a dense steps/s array [N]
         (default: the shipped CPU table).
+      mesh: optional ``(data, tensor)`` device mesh (`sharding.make_mesh`): the target's weights, the
+        caches, the drafter and the engine state are laid out on it by `sharding.RULES` (slots over
+        ``data``; heads, FFN width and vocabulary over ``tensor``) and jit propagates the layout; None: one
+        device, as before.
 
     `submit` queues a request, `step` runs one round, `run` decodes a list of prompts to the end
     (`dspark_jax.build_engine` builds one from names and paths):
@@ -389,7 +404,12 @@ class Engine:
 
     def __init__(self, target: LlamaModel, drafter: dr.Drafter | None, policy: Policy | str = "dspark",
                  config: EngineConfig = EngineConfig(), *, sts_temperatures=None, sps=None,
-                 stop_ids: Sequence[int] | None = None):
+                 stop_ids: Sequence[int] | None = None, mesh=None):
+        self.mesh = mesh
+        if mesh is not None:  # a placed copy: the caller's target keeps its own arrays
+            from dspark_jax.sharding import place_target_weights  # noqa: PLC0415
+
+            target = LlamaModel(target.cfg, place_target_weights(target.weights, target.cfg, mesh), target.tokenizer)
         self.target, self.cfg = target, config
         self.policy = parse_policy(policy) if isinstance(policy, str) else policy
         if self.policy.drafts and drafter is None:
@@ -419,6 +439,10 @@ class Engine:
         self.stop_ids = np.asarray(sorted(set(int(t) for t in stop_ids)) or [-1], np.int32)
         if self.drafter is not None:
             self.d_graph, self.d_state = nnx.split(self.drafter)
+            if mesh is not None:
+                from dspark_jax.sharding import place_drafter_state  # noqa: PLC0415
+
+                self.d_state = place_drafter_state(self.d_state, self.drafter.cfg, mesh)
             self.head_w = dr.draft_head_weights(self.drafter, target.weights.embed, target.weights.lm_head)
             temps = np.ones(self.G, np.float32) if sts_temperatures is None else np.asarray(sts_temperatures, np.float32)
             if temps.shape != (self.G,):
@@ -462,7 +486,15 @@ class Engine:
                 raise ValueError("sps: expected a 1-D table of finite, positive steps/s")
         else:
             self.sps = jnp.ones((2,), jnp.float32)
-        self.state = self._init_state()
+        state = self._init_state()
+        if mesh is not None:
+            from dspark_jax.sharding import place  # noqa: PLC0415
+
+            state = place(state, engine_state_axes(state), mesh)
+        # Every program's output state is put back on this layout (`state`), so that each program always
+        # sees the same input shardings and compiles once per shape.
+        self._state_shardings = jax.tree.map(lambda x: x.sharding, state) if mesh is not None else None
+        self.state = state
         # host mirrors
         self.slot_request = np.full(S, -1)
         self.slot_length = np.zeros(S, np.int64)
@@ -492,6 +524,17 @@ class Engine:
         self.on_token: Callable[[int, int], None] | None = None
 
     # ------------------------------------------------------------------------------------------------ state
+    @property
+    def state(self) -> EngineState:
+        """The device state the rounds read and write (on the mesh's layout when the engine has a mesh)."""
+        return self._state
+
+    @state.setter
+    def state(self, value: EngineState) -> None:
+        if self._state_shardings is not None:  # a no-op where a program kept the layout
+            value = jax.device_put(value, self._state_shardings)
+        self._state = value
+
     def _prior_survival(self) -> jax.Array:
         return jnp.cumprod(jnp.full((self.G,), self.cfg.prior_confidence, jnp.float32))
 
@@ -810,14 +853,14 @@ class Engine:
                                  drafted_arr, R=R, probe_every=self._gate_probe,
                                  probe_budget=self.cfg.gate_probe_budget, fill=self.cfg.fill_buckets,
                                  margin=self.cfg.gate_margin)
-        (emitted, counts, finished, accepted, new_len), (predicted, next_gate, gain) = jax.device_get((out, after))
+        (emitted, counts, finished, accepted, new_len), (predicted, next_gate, gain) = _to_host((out, after))
         self._gate_closed = not bool(next_gate)
         if self._learns_off:
             self._learn_off(R, n, n - int(np.sum(finished[:n])), float(gain), drafting)
         drafted = bool(d.drafted) if d is not None else False
         if compile_count() == compiles:
             self._observe_round(drafted, time.perf_counter() - t_round, float(predicted))
-        lengths = np.asarray(d.lengths)[:n] if d is not None else np.zeros(n, np.int64)
+        lengths = _to_host(d.lengths)[:n] if d is not None else np.zeros(n, np.int64)
         rows = _rows_host(active)[:n]
         row_requests = np.asarray([self.slot_request[s] for s in rows], np.int64)
         for i, s in enumerate(rows):
@@ -839,8 +882,8 @@ class Engine:
                     self._release(int(s))
         seconds = time.perf_counter() - t0
         record = self.record_confidences and d is not None
-        conf = np.asarray(d.conf)[:n] if record else None
-        conf_logits = np.asarray(d.conf_logits)[:n] if record else None
+        conf = _to_host(d.conf)[:n] if record else None
+        conf_logits = _to_host(d.conf_logits)[:n] if record else None
         stats = RoundStats(active=n, scheduled=lengths.astype(np.int64), accepted=accepted[:n].astype(np.int64),
                            emitted=total, batch_tokens=B, padded_tokens=T, seconds=seconds,
                            compiled=compile_count() != compiles, confidences=conf, confidence_logits=conf_logits,
@@ -938,6 +981,13 @@ class Engine:
             "mean_batch_tokens": float(np.mean([r.batch_tokens for r in self.rounds])),
             "drafted_share": float(np.mean([r.drafted for r in self.rounds])),
         }
+
+
+def _to_host(tree):
+    """NumPy copies of device arrays, gathered across processes under ``jax.distributed``."""
+    from dspark_jax.sharding import to_host  # noqa: PLC0415
+
+    return to_host(tree)
 
 
 def _rows_host(active: np.ndarray) -> np.ndarray:

@@ -24,11 +24,14 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
 from dspark_jax.build import add_engine_arguments, engine_from_args, load_target
 from dspark_jax.data import parse_turns
 from dspark_jax.drafters import precheck_for_model
 from dspark_jax.engine import Completion, Engine, parse_policy
 from dspark_jax.io import check_writable
+from dspark_jax.sharding import mesh_from_args
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
@@ -108,11 +111,16 @@ def main(argv: list[str] | None = None) -> dict:
             precheck_for_model(args.draft, args.model)
         except ValueError as e:
             build_parser().error(f"--draft: {e}")
-    model = load_target(args.model, dtype=args.dtype)
+    mesh = mesh_from_args(args)  # before anything touches JAX (a multi-process run joins here)
+    if mesh is None:
+        model = load_target(args.model, dtype=args.dtype)
+    else:
+        model = load_target(args.model, dtype=args.dtype, mesh=mesh)
     tok = model.tokenizer
     prompt_ids = [tok.encode_chat([p]) for p in prompts]
     engine = engine_from_args(args, model, num_slots=args.concurrency,
-                              max_prompt_tokens=max(len(p) for p in prompt_ids), max_new_tokens=args.max_new_tokens)
+                              max_prompt_tokens=max(len(p) for p in prompt_ids), max_new_tokens=args.max_new_tokens,
+                              mesh=mesh)
 
     if len(prompts) == 1 and not args.quiet:
         stream = tok.stream()
@@ -148,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
         "concurrency": args.concurrency,
     }
-    if args.json_out:
+    if args.json_out and jax.process_index() == 0:  # under jax.distributed every process holds the same results
         Path(args.json_out).write_text(json.dumps(report, ensure_ascii=False, indent=1), encoding="utf-8")
     return report
 

@@ -43,12 +43,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from dspark_jax.models.drafter import (Drafter, DrafterConfig, draft, draft_head_weights,
                                        init_drafter_cache)
 from dspark_jax.models.llama import (BUCKETS, CONTEXT_STEP, LlamaConfig, LlamaWeights, bucket_for, forward_packed,
                                      init_cache)
+from dspark_jax.sharding import (drafter_cache_axes, kv_cache_axes, mesh_of, mesh_shape, place,
+                                 place_drafter_state, place_target_weights)
 from dspark_jax.sps import (OVERHEAD_KINDS, CostModel, SPSMetadata, SPSPoint, SPSTable, host_cpu, realistic_rows,
                            round_windows)
 from dspark_jax.timing import Timing, time_call
@@ -210,6 +213,15 @@ def _device_of(x: jax.Array) -> jax.Device:
     return next(iter(x.devices()))
 
 
+def _put_like(x: jax.Array):
+    """``jax.device_put`` to where ``x`` lies: its device, or replicated on its mesh (a target placed on a
+    mesh is measured there; `sharding.place_target_weights`)."""
+    mesh = mesh_of(x)
+    if mesh is None:
+        return functools.partial(jax.device_put, device=_device_of(x))
+    return functools.partial(jax.device_put, device=NamedSharding(mesh, PartitionSpec()))
+
+
 def verify_batch(*, rows: int, batch_tokens: int, context: int, block: int, vocab_size: int,
                  plain: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The packed batch :func:`time_verify` runs: ``B = min(T, R * (G + 1))`` valid tokens dealt round-robin
@@ -236,13 +248,15 @@ def _verify_step(weights: LlamaWeights, cfg: LlamaConfig, *, rows: int, batch_to
     W, _ = round_windows(context, block, CONTEXT_STEP, window_rule)
     # Every input committed to the weights' device, as the donated cache returned by each call is: otherwise
     # the second call compiles again (committed and uncommitted arguments compile separately).
-    put = functools.partial(jax.device_put, device=_device_of(weights.embed))
+    put = _put_like(weights.embed)
     tokens, slots, positions, valid = (put(a) for a in verify_batch(rows=rows, batch_tokens=batch_tokens,
                                                                      context=context, block=block,
                                                                      vocab_size=cfg.vocab_size, plain=plain))
     row_slots = put(np.arange(rows, dtype=np.int32))  # [R]
     cache = init_cache(cfg, rows, W, weights.embed.dtype)
-    state = {"cache": put(cache.replace(lengths=jnp.full((rows,), context, jnp.int32)))}
+    cache = cache.replace(lengths=jnp.full((rows,), context, jnp.int32))
+    mesh = mesh_of(weights.embed)
+    state = {"cache": put(cache) if mesh is None else place(cache, kv_cache_axes(), mesh)}
 
     def step():
         logits, extras, state["cache"] = forward_packed(weights, state["cache"], tokens, slots, positions, valid,
@@ -403,7 +417,12 @@ def time_draft(drafter: Drafter, embed: jax.Array, *, rows: int, context: int, w
     args = (params, init_drafter_cache(cfg, rows, W, embed.dtype), jnp.arange(rows, dtype=jnp.int32),
             jnp.full((rows,), context, jnp.int32), jnp.zeros((rows,), jnp.int32),
             jax.random.split(jax.random.key(0), rows), jnp.float32(1.0), embed, head_w)
-    args = jax.device_put(args, _device_of(embed))
+    mesh = mesh_of(embed)
+    if mesh is None:
+        args = jax.device_put(args, _device_of(embed))
+    else:  # as the engine lays them out: the drafter's weights and cache by the rules, the rest replicated
+        args = (place_drafter_state(params, cfg, mesh), place(args[1], drafter_cache_axes(), mesh),
+                *_put_like(embed)(args[2:7]), embed, head_w)
     return time_call(lambda: run(*args, context=W), repeats=repeats, warmup=warmup, max_seconds=max_seconds)
 
 
@@ -512,8 +531,9 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
                       warmup: int = 1, max_seconds: float | None = None, device: jax.Device | None = None,
                       round_overhead: bool = True, overhead_row_count: int | None = None,
                       host_speed: bool = True, progress: bool = False,
-                      extra: dict[str, Any] | None = None) -> SPSTable:
-    """Profile a whole table on ``device`` (default: JAX's choice): cost model, simple curve, metadata.
+                      extra: dict[str, Any] | None = None, mesh: Mesh | None = None) -> SPSTable:
+    """Profile a whole table on ``device`` (default: JAX's choice), or on a device ``mesh``: cost model, simple
+    curve, metadata (with the mesh's shape, ``extra["mesh"]``, which the engine checks).
 
     Args:
       weights, cfg: the target; ``model``: its name for the metadata (:func:`model_label`).
@@ -532,7 +552,11 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
       host_speed: put every measurement at the host's median speed over the profile (:class:`HostSpeed`;
         recorded as ``host_reference_s``, with the probes' range as ``host_drift``).
       extra: more metadata.
+      mesh: a ``(data, tensor)`` mesh (`sharding.make_mesh`): the target, drafter and caches are laid out on
+        it as the engine lays them out, and the programs and engine rounds are timed there.
     """
+    if mesh is not None:
+        device = mesh.devices.flat[0]
     device = select_device() if device is None else device
     buckets = token_buckets(max_tokens) if batch_tokens is None else tuple(sorted(int(b) for b in batch_tokens))
     contexts = sorted(int(c) for c in context_lengths)
@@ -540,7 +564,7 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
     if ref not in contexts:
         raise ValueError(f"reference_context {ref} must be one of the context lengths {contexts}")
     with jax.default_device(device):
-        weights = jax.device_put(weights, device)
+        weights = jax.device_put(weights, device) if mesh is None else place_target_weights(weights, cfg, mesh)
         if with_drafter and drafter is None:
             drafter = random_drafter(cfg, block=block)
         drafter = drafter if with_drafter else None
@@ -566,6 +590,7 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
         "host": f"{platform.machine()} {os.cpu_count()} cores",
         **({"cpu": host_cpu()} if device.platform == "cpu" else {}),
         "device_count": jax.device_count(device.platform),
+        "mesh": mesh_shape(mesh),
         "context_lengths": list(cost.context_lengths),
         "windows": list(cost.windows),
         "draft_windows": list(cost.draft_windows),
@@ -726,7 +751,7 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
                                                  window_rule=cost.window_rule, gate_probe_every=10**9,
                                                  calibrate_times=False, drafter_off_after=None),
                                     sps=_forced_table(base, "drafting" if batch else "plain", batch or None),
-                                    stop_ids=())
+                                    stop_ids=(), mesh=mesh_of(target.weights.embed))
             for _ in range(R):
                 engines[batch].submit(rng.integers(0, vocab, context).tolist(), max_new)
         for i in range(attempts):

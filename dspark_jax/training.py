@@ -30,8 +30,8 @@ from flax import nnx
 from dspark_jax.models.drafter import Drafter, DrafterConfig, draft_head_weights
 from dspark_jax.io import atomic_write_text
 
-__all__ = ["LossConfig", "block_loss", "TrainConfig", "make_optimizer", "train", "save_drafter",
-           "load_drafter"]
+__all__ = ["LossConfig", "block_loss", "TrainConfig", "make_optimizer", "train", "replicate", "shard_batch",
+           "save_drafter", "load_drafter"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +136,25 @@ def _batch_to_device(b) -> dict[str, jax.Array]:
             "valid": jnp.asarray(b.valid), "final": jnp.asarray(b.final), "lse": jnp.asarray(b.lse)}
 
 
+def replicate(tree: Any, mesh) -> Any:
+    """Every array of ``tree`` copied to every device of ``mesh`` (parameters, optimiser state, frozen
+    target weights in data-parallel training)."""
+    from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
+
+    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+
+
+def shard_batch(batch: dict[str, jax.Array], mesh) -> dict[str, jax.Array]:
+    """A training batch split over the mesh's ``data`` axis by its leading axis N (`sharding.RULES`:
+    ``batch -> data``; N not divisible by the data size: replicated). Jit then runs the step data-parallel:
+    each device computes its share's gradients and XLA sums them (the loss is a mean over the whole batch,
+    so the step equals the single-device one up to the order of the sums)."""
+    from dspark_jax.sharding import Axes, place  # noqa: PLC0415
+
+    axes = {k: Axes("batch", *([None] * (np.ndim(v) - 1))) for k, v in batch.items()}
+    return place(batch, axes, mesh)
+
+
 def make_train_step(graphdef, loss_cfg: LossConfig, tx: optax.GradientTransformation):
     """A jitted pure step (params, buffers, opt_state, batch, embed, lm_head) -> (params, opt_state, metrics).
 
@@ -160,12 +179,15 @@ def make_train_step(graphdef, loss_cfg: LossConfig, tx: optax.GradientTransforma
 
 
 def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None, *, tc: TrainConfig,
-          loss_cfg: LossConfig, run_dir: str | os.PathLike, progress: bool = True, trainable=nnx.Param) -> Drafter:
+          loss_cfg: LossConfig, run_dir: str | os.PathLike, progress: bool = True, trainable=nnx.Param, mesh=None) -> Drafter:
     """Train ``drafter`` on ``loader.batch(step)`` for ``tc.steps`` steps; resumable from ``run_dir``.
 
     Only the parameters matched by the `flax.nnx` filter ``trainable`` are trained (default: all of them;
     `heads.trainable_filter` names the heads or the confidence head); the others are not differentiated and
     come back bit-identical.
+
+    With a device ``mesh`` (`sharding.make_mesh`) the step runs data-parallel: each batch is split over the
+    ``data`` axis (`shard_batch`), parameters, optimiser state and the frozen target head are replicated.
 
     Checkpoints (params, optimiser state, step) go to ``run_dir/ckpt`` with Orbax every ``ckpt_every``
     steps (written to a temporary folder and renamed, so an interrupted save never corrupts the latest
@@ -192,6 +214,8 @@ def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None,
         restored = mgr.restore(latest, args=ocp.args.StandardRestore(target))
         params, opt_state, start = restored["params"], restored["opt_state"], latest
     step_fn = make_train_step(graphdef, loss_cfg, tx)
+    if mesh is not None:
+        params, buffers, opt_state, embed, lm_head = replicate((params, buffers, opt_state, embed, lm_head), mesh)
     metrics_path = run_dir / "metrics.jsonl"
     if start == 0 and metrics_path.exists():
         metrics_path.unlink()
@@ -203,6 +227,8 @@ def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None,
     acc: list[dict[str, Any]] = []
     for step in range(start, tc.steps):
         batch = _batch_to_device(loader.batch(step))
+        if mesh is not None:
+            batch = shard_batch(batch, mesh)
         params, opt_state, m = step_fn(params, buffers, opt_state, batch, embed, lm_head)
         acc.append(m)
         done = step + 1

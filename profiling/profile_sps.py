@@ -2,6 +2,11 @@
 
     python -m profiling.profile_sps [--quick] [--out TABLE.json] [--max-tokens 512]
         [--context-lengths 128 512 1024] [--repeats 5] [--model GGUF|HF_FOLDER | --tiny] [--dtype auto] [--backend gpu]
+        [--tensor-parallel-size N] [--data-parallel-size M]
+
+With ``--tensor-parallel-size`` / ``--data-parallel-size`` the target and drafter are laid out on that device
+mesh (as the engine lays them out) and timed there; the table records the mesh, and an engine on another
+mesh refuses it (`sharding.check_table_mesh`).
 
 Runs on the backend JAX selects (CPU, GPU or TPU); `--backend` insists on one. Writes the table (JSON,
 atomically) and a PNG beside it, and prints the curves. `--quick` measures one context and four buckets up
@@ -19,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax import build, profiling
+from dspark_jax.sharding import add_mesh_arguments, describe_mesh, mesh_from_args, place_target_weights
 from dspark_jax.plots import plot_sps
 from dspark_jax.io import check_writable
 from dspark_jax.timing import format_table
@@ -55,6 +61,7 @@ def parse_args(argv=None):
                    help="target weights (auto: bfloat16 on an accelerator, float32 on CPU)")
     p.add_argument("--backend", help="insist on a backend (cpu, gpu, tpu); default: JAX's choice")
     p.add_argument("--markdown", action="store_true", help="also print the curves as a Markdown table (README)")
+    add_mesh_arguments(p)
     p.add_argument("--no-overhead", action="store_true",
                    help="skip the engine-round overhead (the host's share of a round, measured by running the engine)")
     p.add_argument("--add-overhead", action="store_true",
@@ -133,7 +140,12 @@ def with_overhead(table, weights, cfg, rows=None, host_speed=True, drafter=None)
                                         host_speed=host_speed)
 
 
-def extend_table(args, device, out, extend, report):
+def placed(weights, cfg, device, mesh):
+    """The target's weights on ``device``, or laid out on ``mesh``."""
+    return jax.device_put(weights, device) if mesh is None else place_target_weights(weights, cfg, mesh)
+
+
+def extend_table(args, device, out, extend, report, mesh=None):
     """Load the table at ``out``, add to it ``extend(table, weights, cfg)`` with the target on ``device``, write it
     back and print ``report(cost_model)`` (lines)."""
     from dspark_jax.sps import load_sps_table
@@ -141,7 +153,7 @@ def extend_table(args, device, out, extend, report):
     table = load_sps_table(out)
     cfg, weights, _ = load_target(args)
     with jax.default_device(device):
-        table = extend(table, jax.device_put(weights, device), cfg)
+        table = extend(table, placed(weights, cfg, device, mesh), cfg)
     table.save(out)
     for line in report(table.cost_model):
         print(line)
@@ -151,8 +163,9 @@ def extend_table(args, device, out, extend, report):
 
 def main(argv=None):
     args = parse_args(argv)
+    mesh = mesh_from_args(args)  # first: a multi-process run joins before anything touches JAX
     # Everything that can fail fast fails before anything is loaded or measured.
-    device = profiling.select_device(args.backend)
+    device = profiling.select_device(args.backend) if mesh is None else mesh.devices.flat[0]
     out = args.out or DEFAULT_OUT
     if args.out is None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +185,8 @@ def main(argv=None):
 
     if args.add_overhead:
         return extend_table(args, device, out,
-                            lambda t, w, c: with_overhead(t, w, c, host_speed=not args.no_host_speed), overhead_lines)
+                            lambda t, w, c: with_overhead(t, w, c, host_speed=not args.no_host_speed), overhead_lines,
+                            mesh)
 
     if args.add_plain:
         def plain(table, weights, cfg):
@@ -181,7 +195,7 @@ def main(argv=None):
 
         return extend_table(args, device, out, plain, lambda cm: [
             f"L={L}: plain round ms " + " ".join(f"R={r}:{1e3 * cm.plain_s[c][i]:.1f}" for i, r in enumerate(cm.rows))
-            for c, L in enumerate(cm.context_lengths)])
+            for c, L in enumerate(cm.context_lengths)], mesh)
 
     cfg, weights, name = load_target(args)
     drafter, block = None, args.block
@@ -190,7 +204,8 @@ def main(argv=None):
 
         drafter = build.load_drafter_for(LlamaModel(cfg, weights), args.draft).drafter
         block = drafter.cfg.block
-    print(f"profiling {name} ({jnp.dtype(weights.embed.dtype).name}) on {device.platform} ({device.device_kind}): "
+    on = f" on a {describe_mesh(mesh)} mesh" if mesh is not None else ""
+    print(f"profiling {name} ({jnp.dtype(weights.embed.dtype).name}) on {device.platform} ({device.device_kind}){on}: "
           f"B up to {buckets[-1]}, "
           f"contexts {list(contexts)}, {repeats} repeats, {'diagonal' if args.quick else 'all'} cells")
     table = profiling.profile_sps_table(
@@ -199,7 +214,7 @@ def main(argv=None):
         window_rule=args.window_rule, with_drafter=not args.no_drafter, round_overhead=False,
         host_speed=not args.no_host_speed,
         repeats=repeats, max_seconds=args.max_seconds, device=device,
-        progress=True, extra={"quick": args.quick}, batch_tokens=buckets)
+        progress=True, extra={"quick": args.quick}, batch_tokens=buckets, mesh=mesh)
     table.save(out)  # the programs' costs are kept even if the overhead measurement below fails
     drift = table.metadata.extra.get("host_drift")
     if drift:
@@ -211,7 +226,7 @@ def main(argv=None):
               f"(if this stops, `--add-overhead --out {out}` measures it alone)")
         rows = table.cost_model.rows[:1] if args.quick else None
         with jax.default_device(device):
-            table = with_overhead(table, jax.device_put(weights, device), cfg, rows=rows,
+            table = with_overhead(table, placed(weights, cfg, device, mesh), cfg, rows=rows,
                                   host_speed=not args.no_host_speed, drafter=drafter)
         table.save(out)
     print(format_table(curve_rows(table),
