@@ -16,6 +16,7 @@ import time
 
 from dspark_jax.build import (add_model_arguments, build_engine, cache_capacity, load_drafter_for, load_target,
                               target_name)
+from dspark_jax.sharding import mesh_from_args
 from dspark_jax.serving import interleaved, mixed_prompts, shipped_prompts_dir, window_tokens
 from dspark_jax.sps import default_sps_table
 from dspark_jax.timing import device_info, format_table
@@ -33,7 +34,8 @@ def main(argv=None):
     add_model_arguments(p)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    model = load_target(args.model, dtype=args.dtype)
+    mesh = mesh_from_args(args)
+    model = load_target(args.model, dtype=args.dtype, mesh=mesh)
     loaded = load_drafter_for(model, args.draft)
     drafter, path = loaded.drafter, loaded.path
     sps = default_sps_table(model=target_name(args.model))
@@ -48,7 +50,7 @@ def main(argv=None):
           f"(G={G}, {drafter.cfg.head} head), SPS table up to B={sps.max_tokens} measured {sps.metadata.date} on "
           f"{measured_on or sps.metadata.device_kind}\n")
 
-    engine = build_engine(model, "dspark", draft=loaded, sps=sps, num_slots=1, capacity=capacity)
+    engine = build_engine(model, "dspark", draft=loaded, sps=sps, num_slots=1, capacity=capacity, mesh=mesh)
     seen = set()
     for domain, ids in prompts:
         if domain in seen:
@@ -75,7 +77,7 @@ def main(argv=None):
     ids_only = [ids for _, ids in prompts]
     policies = ("none", "fixed:1", "fixed:3", "fixed:7", "dspark")
     for n in args.concurrency:
-        engines = {pol: build_engine(model, pol, draft=loaded, sps=sps, num_slots=n, capacity=capacity)
+        engines = {pol: build_engine(model, pol, draft=loaded, sps=sps, num_slots=n, capacity=capacity, mesh=mesh)
                    for pol in policies}
         results = interleaved(engines, ids_only, n, args.max_new_tokens, warmup_tokens=4 * n,
                               window_tokens=window_tokens(n, args.rounds, args.min_window_tokens),

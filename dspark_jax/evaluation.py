@@ -13,12 +13,14 @@ from dspark_jax.engine import Engine, RoundStats
 
 
 def fixed_block_rounds(model, drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,
-                       concurrency: int = 8, seed: int = 0, sts_temperatures=None) -> tuple[list[RoundStats], Engine]:
-    """Decode ``prompts`` verifying the whole block every round (policy fixed:G), recording confidences."""
+                       concurrency: int = 8, seed: int = 0, sts_temperatures=None, mesh=None
+                       ) -> tuple[list[RoundStats], Engine]:
+    """Decode ``prompts`` verifying the whole block every round (policy fixed:G), recording confidences
+    (on a device ``mesh`` when one is given)."""
     own = LoadedDrafter(drafter, sts_temperatures, prior_confidence=0.5, path=None)  # the prior is unused by fixed:G
     engine = build_engine(model, f"fixed:{drafter.cfg.block}", draft=own, num_slots=concurrency,
                           max_prompt_tokens=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
-                          temperature=temperature, seed=seed)
+                          temperature=temperature, seed=seed, mesh=mesh)
     engine.record_confidences = True
     engine.run(prompts, max_new_tokens)
     return engine.rounds, engine

@@ -26,6 +26,7 @@ import time
 from dspark_jax.build import add_model_arguments, build_engine, load_drafter_for, load_target, target_name
 from dspark_jax.engine import parse_policy
 from dspark_jax.serving import ClosedLoop, mixed_prompts, summarize_windows
+from dspark_jax.sharding import mesh_from_args
 from dspark_jax.timing import device_info, format_table, write_json
 
 COLUMNS = ["policy", "N", "inproc_tokens_per_s", "inproc_wall_tokens_per_s", "http_tokens_per_s", "ratio_http",
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             build_parser().error(str(e))
     if min(args.concurrency) < 1 or args.max_new_tokens < 1 or args.measure_tokens < 1:
         build_parser().error("--concurrency, --max-new-tokens and --measure-tokens must be >= 1")
-    target = load_target(args.model, dtype=args.dtype)
+    mesh = mesh_from_args(args)
+    target = load_target(args.model, dtype=args.dtype, mesh=mesh)
     prompts = [ids for _, ids in mixed_prompts(target.tokenizer, args.prompts, max_prompt_tokens=args.max_prompt_tokens)]
     meta = {"device": device_info(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "args": vars(args)}
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 loaded = load_drafter_for(target, args.draft)
             engine = build_engine(target, pol, draft=loaded, sps=args.sps, num_slots=max(args.concurrency),
                                   max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-                                  temperature=args.temperature, model_name=target_name(args.model))
+                                  temperature=args.temperature, model_name=target_name(args.model), mesh=mesh)
             if args.warm_up:
                 engine.warm_up(max(len(p) for p in prompts))
             for n in args.concurrency:

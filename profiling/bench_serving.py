@@ -45,6 +45,7 @@ from dspark_jax.engine import parse_policy
 from dspark_jax.plots import plot_serving
 from dspark_jax.serving import (closed_loop, interleaved, mixed_prompts, pooled_ratio, scheduling_quality,
                                 window_tokens)
+from dspark_jax.sharding import mesh_from_args
 from dspark_jax.sps import default_sps_table, load_sps_table
 from dspark_jax.timing import device_info, format_table, write_json
 
@@ -206,7 +207,8 @@ def main(argv=None):
     done = previous_rows(args) if args.resume else []
 
     t_start = time.perf_counter()
-    model = load_target(args.model, dtype=args.dtype)
+    mesh = mesh_from_args(args)
+    model = load_target(args.model, dtype=args.dtype, mesh=mesh)
     loaded = load_drafter_for(model, args.draft)
     name = target_name(args.model)
     table = load_sps_table(args.sps, model=name, block=7) if args.sps else default_sps_table(model=name)
@@ -226,7 +228,7 @@ def main(argv=None):
     def engine_for(policy_text, n, temp):
         policy = engine_policy(policy_text)
         engine = build_engine(model, str(policy), draft=loaded, sps=table, num_slots=n, capacity=capacity,
-                              temperature=temp, seed=args.seed)
+                              temperature=temp, seed=args.seed, mesh=mesh)
         engine.record_confidences = policy.drafts
         return engine
 

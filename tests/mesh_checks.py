@@ -24,6 +24,7 @@ def tiny_target_and_drafter(vocab: int = 64, scale: float = 0.3, seed: int = 0, 
     import jax
     from flax import nnx
 
+    from dspark_jax.models import drafter as dr
     from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
 
     cfg = LlamaConfig.tiny(vocab_size=vocab)

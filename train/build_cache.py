@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from dspark_jax.build import add_model_arguments, load_target
+from dspark_jax.sharding import mesh_from_args
 from dspark_jax.data import build_target_cache, load_chunks
 
 
@@ -18,6 +19,8 @@ def main(argv=None):
     add_model_arguments(p, draft=False)
     args = p.parse_args(argv)
     chunks = load_chunks(args.data)
+    if mesh_from_args(args) is not None:
+        p.error("--tensor-parallel-size / --data-parallel-size: this command runs on one device")
     model = load_target(args.model, dtype=args.dtype)
     build_target_cache(model, chunks, args.out)
     print(f"{sum(len(c) for c in chunks.values())} sequences in {len(chunks)} shards cached in {args.out}")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from dspark_jax import calibration
 from dspark_jax.build import add_model_arguments, load_target
+from dspark_jax.sharding import mesh_from_args
 from dspark_jax.data import load_prompts
 from dspark_jax.drafters import SHIPPED, copy_drafter, installed_package_path, resolve_drafter, shipped_dir
 from dspark_jax.evaluation import evaluate_rounds, fixed_block_rounds, pooled, split_half
@@ -62,7 +63,8 @@ def main(argv=None):
     for f in sorted(Path(x) for x in args.prompts):
         files += sorted(f.glob("*.jsonl")) if f.is_dir() else [f]
     chosen_per_file = [split_half(load_prompts([g]), "calib")[: args.limit] for g in files]  # checks the files
-    model = load_target(args.model, dtype=args.dtype)
+    mesh = mesh_from_args(args)
+    model = load_target(args.model, dtype=args.dtype, mesh=mesh)
     drafter, _, _, path = resolve_drafter(args.draft, target_cfg=model.cfg)
     if args.out is None:  # the folder the drafter was actually loaded from, checked again
         out = output_folder(str(path), None)
@@ -73,7 +75,7 @@ def main(argv=None):
     if not prompts:
         raise ValueError(f"--prompts: no calibration-half prompt fits in --max-prompt-tokens "
                          f"{args.max_prompt_tokens}")
-    rounds, _ = fixed_block_rounds(model, drafter, prompts, max_new_tokens=args.max_new_tokens,
+    rounds, _ = fixed_block_rounds(model, drafter, prompts, max_new_tokens=args.max_new_tokens, mesh=mesh,
                                    temperature=args.temperature, concurrency=args.concurrency, seed=args.seed)
     logits, acc, ver = pooled(rounds)
     temps = calibration.fit_sts(logits, acc, ver)

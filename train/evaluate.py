@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from dspark_jax.build import add_model_arguments, load_target
+from dspark_jax.sharding import mesh_from_args
 from dspark_jax.data import load_prompts
 from dspark_jax.drafters import resolve_drafter
 from dspark_jax.evaluation import evaluate_rounds, fixed_block_rounds, split_half
@@ -34,7 +35,8 @@ def main(argv=None):
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args(argv)
     chosen_per_file = [split_half(load_prompts([f]), args.half)[: args.limit] for f in args.prompts]
-    model = load_target(args.model, dtype=args.dtype)
+    mesh = mesh_from_args(args)
+    model = load_target(args.model, dtype=args.dtype, mesh=mesh)
     drafter, meta, temps, path = resolve_drafter(args.draft, target_cfg=model.cfg)
     if args.no_sts:
         temps = None
@@ -44,7 +46,7 @@ def main(argv=None):
                     if len(ids) <= args.max_prompt_tokens]
     if not prompts:
         raise ValueError(f"--prompts: no prompt fits in --max-prompt-tokens {args.max_prompt_tokens}")
-    rounds, engine = fixed_block_rounds(model, drafter, prompts, max_new_tokens=args.max_new_tokens,
+    rounds, engine = fixed_block_rounds(model, drafter, prompts, max_new_tokens=args.max_new_tokens, mesh=mesh,
                                         temperature=args.temperature, concurrency=args.concurrency, seed=args.seed,
                                         sts_temperatures=temps)
     report = evaluate_rounds(rounds, drafter.cfg.block, temps)

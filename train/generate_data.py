@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_jax.build import add_model_arguments, load_target
+from dspark_jax.sharding import mesh_from_args
 from dspark_jax.data import generate_responses, load_prompts
 
 
@@ -39,6 +40,8 @@ def main(argv=None):
     prompts = load_prompts(args.prompts, limit=args.limit)
     order = np.random.default_rng(args.shuffle_seed).permutation(len(prompts))
     prompts = [prompts[i] for i in order][: args.max_prompts]
+    if mesh_from_args(args) is not None:
+        p.error("--tensor-parallel-size / --data-parallel-size: this command runs on one device")
     model = load_target(args.model, dtype=args.dtype)
     files = generate_responses(model, prompts, args.out, max_new_tokens=args.max_new_tokens,
                                temperatures=args.temperatures, seed=args.seed, num_slots=args.slots,

@@ -28,6 +28,7 @@ from flax import nnx
 
 from dspark_jax import data, heads, training
 from dspark_jax.build import add_model_arguments, load_target
+from dspark_jax.sharding import mesh_from_args
 from dspark_jax.drafters import SHIPPED, resolve_drafter
 from dspark_jax.models.drafter import Drafter, DrafterConfig
 from dspark_jax.plots import plot_training
@@ -104,6 +105,7 @@ def main(argv=None):
     cache = data.open_target_cache(args.cache)
     run = Path(args.run)
 
+    mesh = mesh_from_args(args)  # data-parallel training over --data-parallel-size devices
     target = load_target(args.model, dtype=args.dtype)
     check_cache_fits(cache, args.cache, target.cfg)
     freqs = data.token_frequencies(cache, target.cfg.vocab_size)
@@ -145,7 +147,7 @@ def main(argv=None):
     tc = training.TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed)
     t0 = time.perf_counter()
     drafter = training.train(drafter, loader, target.weights.embed, target.weights.lm_head, tc=tc,
-                             loss_cfg=heads.loss_for(args.train, args.kind), run_dir=run, trainable=trainable)
+                             loss_cfg=heads.loss_for(args.train, args.kind), run_dir=run, trainable=trainable, mesh=mesh)
     wall = time.perf_counter() - t0
     plot_training(run / "metrics.jsonl", run / "training.png", title=f"{args.kind} ({args.steps} steps)")
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])

@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from dspark_jax.build import add_engine_arguments, engine_from_args, load_target, target_name
+from dspark_jax.sharding import mesh_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,9 +55,10 @@ def main(argv: list[str] | None = None) -> None:
     from dspark_jax.serve.worker import EngineWorker  # noqa: PLC0415
 
     try:
-        model = load_target(args.model, dtype=args.dtype)
+        mesh = mesh_from_args(args)
+        model = load_target(args.model, dtype=args.dtype, mesh=mesh)
         engine = engine_from_args(args, model, num_slots=args.num_slots, max_prompt_tokens=args.max_prompt_tokens,
-                                  max_new_tokens=args.max_new_tokens)
+                                  max_new_tokens=args.max_new_tokens, mesh=mesh)
     except ValueError as e:
         build_parser().error(str(e))
     if model.tokenizer is None:
