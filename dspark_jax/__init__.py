@@ -11,13 +11,14 @@ The public API. Pure functions that live inside a user's own jitted decoding loo
 Tables and engines:
 
 * `SPSTable` (from measured arrays, to the dense array the scheduler reads), `load_sps_table`;
-* `Engine`, `EngineConfig`: continuous batching over slots with the jitted rounds;
+* `Engine`, `EngineConfig`, `SamplingParams`: continuous batching over slots with the jitted rounds, each
+  request with its own sampling;
 * `load_target` (a GGUF file or a Hugging Face folder), `load_drafter_for`, `build_engine`.
 """
 
 from dspark_jax.build import build_engine, load_drafter_for, load_target
 from dspark_jax.calibration import apply_sts, fit_sts
-from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.engine import Engine, EngineConfig, SamplingParams
 from dspark_jax.scheduler import Schedule, capacity, schedule, sps_lookup, survival_probs, top_k_lengths
 from dspark_jax.sps import SPSTable, load_sps_table
 from dspark_jax.verify import greedy_accept, speculative_accept
@@ -29,6 +30,6 @@ __all__ = [
     "speculative_accept", "greedy_accept",
     "fit_sts", "apply_sts",
     "SPSTable", "load_sps_table",
-    "Engine", "EngineConfig",
+    "Engine", "EngineConfig", "SamplingParams",
     "load_target", "load_drafter_for", "build_engine",
 ]
