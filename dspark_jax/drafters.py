@@ -1,5 +1,5 @@
 """Finding a drafter: the shipped ones by name (``dspark``, ``dflash``), a folder written by
-`training.save_drafter` (with its STS temperatures, ``sts.json`` beside the weights, when present), or a DeepSpec
+`models.drafter_files.save_drafter` (with its STS temperatures, ``sts.json`` beside the weights, when present), or a DeepSpec
 DFlash/DSpark checkpoint folder (`dspark_jax.models.deepspec`)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dspark_jax.models.deepspec import (check_drafter_fits, deepspec_drafter_con
                                         load_deepspec_drafter)
 from dspark_jax.models.drafter import Drafter, DrafterConfig
 from dspark_jax.models.llama import default_tap_layers
-from dspark_jax.training import load_drafter
+from dspark_jax.models.drafter_files import load_drafter
 
 SHIPPED = ("dspark", "dflash")
 
@@ -32,7 +32,7 @@ def shipped_dir(name: str) -> Path:
 
 
 def drafter_format(path: str | Path) -> str | None:
-    """``"dspark-jax"`` (a `training.save_drafter` folder), ``"deepspec"`` (a DeepSpec checkpoint) or None."""
+    """``"dspark-jax"`` (a `models.drafter_files.save_drafter` folder), ``"deepspec"`` (a DeepSpec checkpoint) or None."""
     path = Path(path)
     if is_deepspec_folder(path):
         return "deepspec"
@@ -55,7 +55,7 @@ def resolve_drafter(spec: str | None = None, *, target_cfg=None, dtype=None
     """Load a drafter by shipped name or path. Returns (drafter, metadata, STS temperatures or None, folder).
 
     Args:
-      spec: ``"dspark"`` (default), ``"dflash"``, a `training.save_drafter` folder or a DeepSpec checkpoint folder.
+      spec: ``"dspark"`` (default), ``"dflash"``, a `models.drafter_files.save_drafter` folder or a DeepSpec checkpoint folder.
       target_cfg: the target's LlamaConfig, to check that the drafter fits it (width, vocabulary, tapped layers),
         before any weight is read where the format allows.
       dtype: parameter dtype of a DeepSpec drafter (default float32); our own folders load as float32.

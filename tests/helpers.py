@@ -32,7 +32,7 @@ def save_random_drafter(target_cfg, path, draft_vocab=512, **overrides):
     from flax import nnx
 
     from dspark_jax.models.drafter import Drafter, DrafterConfig
-    from dspark_jax.training import save_drafter
+    from dspark_jax.models.drafter_files import save_drafter
 
     cfg = DrafterConfig.for_target(target_cfg, n_layers=1, ffn_dim=64, rank=8, draft_vocab_size=draft_vocab,
                                    **overrides)

@@ -17,7 +17,7 @@ def test_demo_streams_answers_and_prints_the_table(target, tmp_path, monkeypatch
 
     small = small_real_vocab_target(target)
     drafter = save_random_drafter(small.cfg, tmp_path / "drafter", block=7)
-    monkeypatch.setattr(demo, "load_target", lambda model=None, dtype=None: small)
+    monkeypatch.setattr(demo, "load_target", lambda model=None, dtype=None, mesh=None: small)
     monkeypatch.setattr(demo, "load_drafter_for", lambda target, draft=None: load_drafter_for(target, drafter))
 
     demo.main(["--max-new-tokens", "6", "--concurrency", "1", "--rounds", "2", "--min-window-tokens", "4",

@@ -24,7 +24,7 @@ def test_read_prompts_first_turns_and_limit(tmp_path):
 
 @pytest.mark.slow
 def test_generate_streams_and_writes_json(gguf_path, target, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(generate, "load_target", lambda model=None, dtype=None: target)
+    monkeypatch.setattr(generate, "load_target", lambda model=None, dtype=None, mesh=None: target)
     out = tmp_path / "out.json"
     report = generate.main(["--prompt", "What is the capital of France?", "--max-new-tokens", "12",
                             "--json", str(out), "--model", str(gguf_path), "--policy", "none"])
@@ -54,7 +54,7 @@ def test_speculative_generate_equals_plain(gguf_path, target, tmp_path, monkeypa
     gives the same output_ids as --policy none at temperature 0, with both requests in one batch."""
     from tests.helpers import save_random_drafter
 
-    monkeypatch.setattr(generate, "load_target", lambda model=None, dtype=None: target)
+    monkeypatch.setattr(generate, "load_target", lambda model=None, dtype=None, mesh=None: target)
     save_random_drafter(target.cfg, tmp_path / "drafter", draft_vocab=1024)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from dspark_jax import data, drafters, heads, training
+from dspark_jax.models import drafter_files
 from dspark_jax.models.drafter import Buffer, Drafter, DrafterConfig
 from dspark_jax.models.llama import LlamaConfig, LlamaModel
 from tests.test_training import TARGET, fake_cache, loader_for, tiny_drafter
@@ -64,9 +65,9 @@ def setup(tmp_path, monkeypatch):
     """A tiny target (what the scripts' `load_target` returns here), its cache on disk, a DFlash-style source."""
     w, cache = fake_cache()
     target = LlamaModel(TARGET, w, types.SimpleNamespace(stop_ids=(0,)))
-    monkeypatch.setattr(train_drafter, "load_target", lambda model=None, dtype=None: target)
+    monkeypatch.setattr(train_drafter, "load_target", lambda model=None, dtype=None, mesh=None: target)
     cache_dir = write_cache(cache, tmp_path / "cache")
-    src = training.save_drafter(tiny_drafter(head="none", confidence=False), tmp_path / "dflash")
+    src = drafter_files.save_drafter(tiny_drafter(head="none", confidence=False), tmp_path / "dflash")
     return types.SimpleNamespace(tmp=tmp_path, target=target, cache=str(cache_dir), src=src)
 
 
@@ -90,8 +91,8 @@ def test_heads_from_a_dflash_drafter_on_its_frozen_backbone(setup, monkeypatch):
     for k, v in old.items():  # the backbone (float16 both times) is bit-identical
         np.testing.assert_array_equal(new[k], v, err_msg=k)
     assert np.any(new["w2/kernel"] != 0)  # the Markov head starts at zero and moved
-    fresh, _ = heads.extend_drafter(training.load_drafter(s.src)[0], heads.head_config(
-        training.load_drafter(s.src)[0].cfg, rank=4))
+    fresh, _ = heads.extend_drafter(drafter_files.load_drafter(s.src)[0], heads.head_config(
+        drafter_files.load_drafter(s.src)[0].cfg, rank=4))
     init = {k: v.astype(np.float16) for k, v in flat(fresh).items()}
     for k in ("conf/kernel", "w1/embedding"):
         assert not np.array_equal(new[k], init[k]), k
@@ -126,13 +127,13 @@ def test_bad_inputs_fail_before_training(setup, monkeypatch):
     with pytest.raises(ValueError, match="--init-from .*missing.*: no such folder"):
         train_drafter.main(run_args(s, "--init-from", str(s.tmp / "missing"), "--train", "heads"))
     wide_cfg = LlamaConfig.tiny(dim=48)
-    other = training.save_drafter(Drafter(DrafterConfig.for_target(wide_cfg, n_layers=1, ffn_dim=16, rank=4),
+    other = drafter_files.save_drafter(Drafter(DrafterConfig.for_target(wide_cfg, n_layers=1, ffn_dim=16, rank=4),
                                           rngs=nnx.Rngs(0)), s.tmp / "other")
     with pytest.raises(ValueError, match=r"--init-from .*other.*hidden_size = 48, but the target's width \(hidden_size\) is 32"):
         train_drafter.main(run_args(s, "--init-from", str(other), "--train", "heads"))
     with pytest.raises(ValueError, match="--train confidence keeps the sequential head frozen.*no sequential"):
         train_drafter.main(run_args(s, "--init-from", str(s.src), "--train", "confidence"))
-    markov = training.save_drafter(tiny_drafter(), s.tmp / "markov")
+    markov = drafter_files.save_drafter(tiny_drafter(), s.tmp / "markov")
     with pytest.raises(ValueError, match="--head rnn: the source drafter has a trained markov head"):
         train_drafter.main(run_args(s, "--init-from", str(markov), "--train", "heads", "--head", "rnn"))
     with pytest.raises(ValueError, match="--rank 8: the source drafter's Markov embedding has rank 4"):
@@ -140,7 +141,7 @@ def test_bad_inputs_fail_before_training(setup, monkeypatch):
     with pytest.raises(ValueError, match="--kind dflash: the source drafter has a markov"):
         train_drafter.main(run_args(s, "--init-from", str(markov), "--kind", "dflash"))
     wide = types.SimpleNamespace(cfg=wide_cfg)  # the cache is checked against the target before any weight is used
-    monkeypatch.setattr(train_drafter, "load_target", lambda model=None, dtype=None: wide)
+    monkeypatch.setattr(train_drafter, "load_target", lambda model=None, dtype=None, mesh=None: wide)
     with pytest.raises(ValueError, match=r"--cache .*\(taps, width\) = \(5, 32\), but the target has \(5, 48\)"):
         train_drafter.main(run_args(s, "--init-from", str(markov), "--train", "heads"))
 
@@ -164,7 +165,7 @@ def test_scripts_load_the_named_model(monkeypatch, tmp_path, script, extra):
     prompts.write_text('{"turns": ["hi"]}\n{"turns": ["ho"]}\n')
     seen = {}
 
-    def load(model=None, dtype=None):
+    def load(model=None, dtype=None, mesh=None):
         seen.update(model=model, dtype=dtype)
         raise KeyboardInterrupt
 

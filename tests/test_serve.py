@@ -61,7 +61,7 @@ def test_greedy_completion_equals_generate(served, tmp_path):
 
     question = "Name three colours."
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(generate, "load_target", lambda model=None, dtype=None: served.small)
+        mp.setattr(generate, "load_target", lambda model=None, dtype=None, mesh=None: served.small)
         report = generate.main(["--prompt", question, "--max-new-tokens", "8", "--policy", "none", "--quiet"])
     want = report["results"][0]["text"]
     templated = served.tok.apply_chat_template([question])
@@ -248,7 +248,7 @@ def test_bench_http_rows(served, tmp_path):
 
     out = tmp_path / "http.json"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(bench_http, "load_target", lambda model=None, dtype=None: served.small)
+        mp.setattr(bench_http, "load_target", lambda model=None, dtype=None, mesh=None: served.small)
         mp.setattr(bench_http, "load_drafter_for", lambda target, draft=None: load_drafter_for(target, served.drafter))
         # fixed:3 on 4 slots with a 128-token cache: the served engine's shapes, so its compiled programs serve
         rows = bench_http.main(["--policies", "fixed:3", "--concurrency", "1", str(SLOTS), "--max-new-tokens", "8",

@@ -10,6 +10,7 @@ from flax import nnx
 
 from dspark_jax import data, training
 from dspark_jax.models import drafter as dr
+from dspark_jax.models import drafter_files
 from dspark_jax.models.llama import LlamaConfig, init_random_weights
 
 TARGET = LlamaConfig.tiny()
@@ -143,15 +144,15 @@ def test_checkpoint_resume_reproduces_uninterrupted_run(tmp_path):
 def test_save_and_load_drafter(tmp_path):
     vocab = np.array([1, 4, 9, 16, 25, 36, 49])
     d = tiny_drafter(vocab_ids=vocab)
-    training.save_drafter(d, tmp_path / "dr", extra={"sts_temperatures": [1.0, 2.0, 3.0]})
-    training.save_drafter(d, tmp_path / "dr")  # overwrite in place
-    back, meta = training.load_drafter(tmp_path / "dr")
+    drafter_files.save_drafter(d, tmp_path / "dr", extra={"sts_temperatures": [1.0, 2.0, 3.0]})
+    drafter_files.save_drafter(d, tmp_path / "dr")  # overwrite in place
+    back, meta = drafter_files.load_drafter(tmp_path / "dr")
     assert back.cfg == d.cfg
     a, b = nnx.state(d), nnx.state(back)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-4), a, b)
     np.testing.assert_array_equal(back.vocab_ids[...], vocab)
     with pytest.raises(ValueError, match="config.json and weights.npz"):
-        training.load_drafter(tmp_path / "nothing")
+        drafter_files.load_drafter(tmp_path / "nothing")
 
 
 def test_quantize_int8_error_is_within_half_a_step():
@@ -159,26 +160,26 @@ def test_quantize_int8_error_is_within_half_a_step():
     w = rng.normal(size=(37, 11)).astype(np.float32) * rng.uniform(0.01, 10, size=(1, 11))
     w[:, 3] = 0.0  # an all-zero channel must not divide by zero
     for axis in (0, 1):
-        q, scale = training.quantize_int8(w, axis=axis)
+        q, scale = drafter_files.quantize_int8(w, axis=axis)
         assert q.dtype == np.int8 and scale.shape[axis] == 1
         assert np.all(np.abs(q.astype(np.float32) * scale - w) <= scale / 2 + 1e-7)
         assert np.max(np.abs(q)) == 127  # the range is used
 
 
 def test_int8_drafter_round_trip_and_attach(tmp_path, monkeypatch):
-    monkeypatch.setattr(training, "_INT8_MIN_SIZE", 16)  # the tiny drafter's matrices are small
+    monkeypatch.setattr(drafter_files, "INT8_MIN_SIZE", 16)  # the tiny drafter's matrices are small
     vocab = np.arange(40)
     d = tiny_drafter(vocab_ids=vocab, seed=3)
     side = tmp_path / "sts.json"
     side.write_text('{"temperatures": [1.0]}')
-    training.save_drafter(d, tmp_path / "q", quantize="int8", attach=[side])
+    drafter_files.save_drafter(d, tmp_path / "q", quantize="int8", attach=[side])
     stored = np.load(tmp_path / "q" / "weights.npz")
     quantized = [k for k in stored.files if stored[k].dtype == np.int8]
     assert "w1/embedding" in quantized and "w2/kernel" in quantized
     assert stored["w1/embedding@scale"].shape == (stored["w1/embedding"].shape[0], 1)  # per row
     assert stored["w2/kernel@scale"].shape == (1, stored["w2/kernel"].shape[1])  # per output column
     assert (tmp_path / "q" / "sts.json").read_text() == side.read_text()
-    back, _ = training.load_drafter(tmp_path / "q")
+    back, _ = drafter_files.load_drafter(tmp_path / "q")
     restored = dict(nnx.to_flat_state(nnx.state(back, nnx.Param)))
     for path, var in nnx.to_flat_state(nnx.state(d, nnx.Param)):
         key = "/".join(map(str, path))
@@ -190,11 +191,11 @@ def test_int8_drafter_round_trip_and_attach(tmp_path, monkeypatch):
     del weights["w2/kernel@scale"]
     np.savez(tmp_path / "q" / "weights.npz", **weights)
     with pytest.raises(ValueError, match="w2/kernel is stored as int8"):
-        training.load_drafter(tmp_path / "q")
+        drafter_files.load_drafter(tmp_path / "q")
     with pytest.raises(ValueError, match="would overwrite"):
-        training.save_drafter(d, tmp_path / "r", attach=[tmp_path / "q" / "config.json"])
+        drafter_files.save_drafter(d, tmp_path / "r", attach=[tmp_path / "q" / "config.json"])
     with pytest.raises(ValueError, match="quantize='int4'"):
-        training.save_drafter(d, tmp_path / "r", quantize="int4")
+        drafter_files.save_drafter(d, tmp_path / "r", quantize="int4")
 
 
 def test_target_cache_build_is_incremental_and_consistent(tmp_path):
@@ -230,9 +231,9 @@ def test_target_cache_build_is_incremental_and_consistent(tmp_path):
 def test_pack_drafter_carries_side_files_and_shrinks_storage(tmp_path, monkeypatch):
     from train import pack_drafter
 
-    monkeypatch.setattr(training, "_INT8_MIN_SIZE", 16)
+    monkeypatch.setattr(drafter_files, "INT8_MIN_SIZE", 16)
     src = tmp_path / "run" / "export"
-    training.save_drafter(tiny_drafter(vocab_ids=np.arange(40), seed=5), src, extra={"training": {"steps": 3}})
+    drafter_files.save_drafter(tiny_drafter(vocab_ids=np.arange(40), seed=5), src, extra={"training": {"steps": 3}})
     (src / "sts.json").write_text('{"temperatures": [1.0, 2.0]}')
     (tmp_path / "run" / "training.png").write_bytes(b"png")
     out = pack_drafter.pack(src, tmp_path / "ship", int8=True)

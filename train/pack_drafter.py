@@ -12,20 +12,20 @@ import argparse
 import json
 from pathlib import Path
 
-from dspark_jax import training
+from dspark_jax.models import drafter_files
 
 SIDE_FILES = ("sts.json", "calibration.json", "reliability.png")
 
 
 def pack(src: str | Path, out: str | Path, *, int8: bool = False) -> Path:
     src = Path(src)
-    drafter, meta = training.load_drafter(src)
+    drafter, meta = drafter_files.load_drafter(src)
     attach = [src / f for f in SIDE_FILES if (src / f).is_file()]
     plots = [f for f in (src / "training.png", src.parent / "training.png") if f.is_file()]
     attach += plots[:1]  # the export's own plot, else the run folder's
     extra = {k: v for k, v in meta.items() if k != "config"}
     extra["storage"] = "int8 matrices, per-channel float32 scales" if int8 else "float16"
-    return training.save_drafter(drafter, out, extra=extra, quantize="int8" if int8 else None, attach=attach)
+    return drafter_files.save_drafter(drafter, out, extra=extra, quantize="int8" if int8 else None, attach=attach)
 
 
 def main(argv=None):

@@ -30,6 +30,7 @@ from dspark_jax import data, heads, training
 from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.sharding import mesh_from_args
 from dspark_jax.drafters import SHIPPED, resolve_drafter
+from dspark_jax.models import drafter_files
 from dspark_jax.models.drafter import Drafter, DrafterConfig
 from dspark_jax.plots import plot_training
 from dspark_jax.io import atomic_write_text
@@ -155,7 +156,7 @@ def main(argv=None):
             "train": args.train, "init_from": record["init_from"], "new_params": fresh,
             "draft_vocab_coverage": float(covered), "train_tokens": loader.num_tokens,
             "final_tau_prob": last["tau_prob"], "wall_seconds_this_run": wall, "args": vars(args)}
-    training.save_drafter(drafter, run / "export", extra={"training": info})
+    drafter_files.save_drafter(drafter, run / "export", extra={"training": info})
     print(json.dumps(info, indent=1))
 
 
