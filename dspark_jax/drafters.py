@@ -7,9 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import json
-import os
 import shutil
-import tempfile
 import types
 from pathlib import Path
 from typing import Sequence
@@ -18,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.calibration import load_temperatures
+from dspark_jax.io import atomic_folder
 from dspark_jax.models.deepspec import (check_drafter_fits, deepspec_drafter_config, is_deepspec_folder,
                                         load_deepspec_drafter)
 from dspark_jax.models.drafter import Drafter, DrafterConfig
@@ -178,24 +177,10 @@ def copy_drafter(source: str | Path, out: str | Path, *, attach: Sequence[str | 
         raise ValueError(f"{out} exists and is not a drafter folder (no config.json); choose a new folder")
     attach = [Path(f) for f in attach]
     names = {f.name for f in attach}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    os.chmod(tmp, 0o755)
-    try:
+    with atomic_folder(out) as tmp:
         for f in sorted(source.iterdir()):
             if f.is_file() and f.name not in names:
                 shutil.copyfile(f, tmp / f.name)
         for f in attach:
             shutil.copyfile(f, tmp / f.name)
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.rmdir(old)
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

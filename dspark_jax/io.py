@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
-__all__ = ["check_writable", "atomic_write_text"]
+__all__ = ["check_writable", "atomic_write_text", "atomic_folder"]
 
 
 def check_writable(path: str | os.PathLike) -> Path:
@@ -43,4 +46,35 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
+    """Build a folder in a temporary sibling and put it at ``path`` in one rename once the block succeeds
+    (a folder already there is replaced); on an error the temporary folder goes and ``path`` is untouched.
+
+    >>> import tempfile
+    >>> root = Path(tempfile.mkdtemp())
+    >>> with atomic_folder(root / "drafter") as tmp:
+    ...     _ = (tmp / "config.json").write_text("{}")
+    >>> sorted(p.name for p in (root / "drafter").iterdir())
+    ['config.json']
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; drafters and tables are meant to be read by others
+    try:
+        yield tmp
+        old = None
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+            os.rmdir(old)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -42,8 +42,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.io import atomic_folder
 from dspark_jax.models.drafter import Drafter, DrafterConfig
 
 __all__ = ["MARKOV_HEADS", "is_deepspec_folder", "deepspec_drafter_config", "check_drafter_fits",
@@ -448,22 +447,7 @@ def save_deepspec_drafter(drafter: Drafter, folder: str | os.PathLike, *, embed:
                              "(markov_rank > 0); this drafter has none")
     if num_target_layers is not None:
         hf["num_target_layers"] = int(num_target_layers)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    os.chmod(tmp, 0o755)
-    try:
+    with atomic_folder(folder) as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        old = None
-        if folder.exists():
-            old = folder.with_name(folder.name + ".old")
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder

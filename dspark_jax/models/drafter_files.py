@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.io import atomic_folder
 from dspark_jax.models.drafter import Drafter, DrafterConfig
 
 __all__ = ["INT8_MIN_SIZE", "SCALE_SUFFIX", "quantize_int8", "pack_weights", "flat_state", "save_drafter",
@@ -71,36 +73,18 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, *, extra: dict[str, 
     """Write ``config.json`` and ``weights.npz`` (floats as ``dtype``, weight matrices as int8 with
     ``quantize="int8"``) to a folder, atomically, with copies of the ``attach`` files (STS temperatures,
     plots) under their own names."""
-    import shutil
-    import tempfile
-
     path = Path(path)
     attach = [Path(f) for f in attach]
     for f in attach:
         if f.name in ("config.json", "weights.npz"):
             raise ValueError(f"attach: {f} would overwrite the drafter's own {f.name}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    os.chmod(tmp, 0o755)
-    try:
+    with atomic_folder(path) as tmp:
         flat = pack_weights(flat_state(drafter), dtype, quantize)
         np.savez(tmp / "weights.npz", **flat)
         meta = {"config": drafter.cfg.to_dict(), **(extra or {})}
         (tmp / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
         for f in attach:
             shutil.copyfile(f, tmp / f.name)
-        old = None
-        if path.exists():
-            old = path.with_name(path.name + ".old")
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 
