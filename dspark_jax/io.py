@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
-__all__ = ["check_writable", "atomic_write_text", "atomic_folder"]
+__all__ = ["check_writable", "atomic_write_text", "atomic_folder", "read_json_object"]
 
 
 def check_writable(path: str | os.PathLike) -> Path:
@@ -78,3 +79,25 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def read_json_object(path: str | os.PathLike, *, required: bool = True, error: type[ValueError] = ValueError,
+                     missing: str = "missing") -> dict[str, Any]:
+    """The JSON object in ``path``; ``{}`` for a missing file unless ``required``. Raises ``error`` (a ValueError)
+    naming the file: missing (with the ``missing`` explanation), not valid JSON, or not an object.
+
+    >>> read_json_object("no/such/config.json", required=False)
+    {}
+    """
+    path = Path(path)
+    if not path.is_file():
+        if required:
+            raise error(f"{path}: {missing}")
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

@@ -14,7 +14,6 @@ Either way, the model's own Jinja chat template is rendered as transformers rend
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from pathlib import Path
@@ -24,6 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from dspark_jax.chat_template import as_messages, render_chat_template
+from dspark_jax.io import read_json_object
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -214,17 +214,7 @@ def _token_text(value: Any) -> str | None:
 
 
 def _read_json(path: Path, required: bool = False) -> dict[str, Any]:
-    if not path.is_file():
-        if required:
-            raise ValueError(f"{path}: missing (a Hugging Face checkpoint folder needs it)")
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, required=required, missing="missing (a Hugging Face checkpoint folder needs it)")
 
 
 class HFTokenizer:

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.io import read_json_object
 from dspark_jax.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights, RopeScaling, stack_layers
 
 __all__ = ["HFCheckpointError", "ARCHITECTURES", "read_hf_config", "check_hf_checkpoint", "hf_config_dict",
@@ -77,15 +78,7 @@ class HFCheckpointError(ValueError):
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise HFCheckpointError(f"{path}: missing")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HFCheckpointError(f"{path}: not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise HFCheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, error=HFCheckpointError)
 
 
 def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
