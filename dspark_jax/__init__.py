@@ -1,3 +1,34 @@
-"""dspark-jax: DSpark confidence-scheduled speculative decoding in JAX."""
+"""dspark-jax: DSpark confidence-scheduled, hardware-aware speculative decoding in JAX.
+
+The public API. Pure functions that live inside a user's own jitted decoding loop:
+
+* `survival_probs`, `schedule` (Algorithm 1), `capacity` and `top_k_lengths` (the production variant),
+  `sps_lookup`: which drafts each request verifies, given per-token confidences and a steps/s table;
+* `speculative_accept` (sampled) and `greedy_accept` (temperature 0): lossless verification with a
+  verification length per request;
+* `fit_sts`, `apply_sts`: Sequential Temperature Scaling of the confidence head.
+
+Tables and engines:
+
+* `SPSTable` (from measured arrays, to the dense array the scheduler reads), `load_sps_table`;
+* `Engine`, `EngineConfig`: continuous batching over slots with the jitted rounds;
+* `load_target` (a GGUF file or a Hugging Face folder), `load_drafter_for`, `build_engine`.
+"""
+
+from dspark_jax.build import build_engine, load_drafter_for, load_target
+from dspark_jax.calibration import apply_sts, fit_sts
+from dspark_jax.engine import Engine, EngineConfig
+from dspark_jax.scheduler import Schedule, capacity, schedule, sps_lookup, survival_probs, top_k_lengths
+from dspark_jax.sps import SPSTable, load_sps_table
+from dspark_jax.verify import greedy_accept, speculative_accept
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "survival_probs", "schedule", "Schedule", "capacity", "top_k_lengths", "sps_lookup",
+    "speculative_accept", "greedy_accept",
+    "fit_sts", "apply_sts",
+    "SPSTable", "load_sps_table",
+    "Engine", "EngineConfig",
+    "load_target", "load_drafter_for", "build_engine",
+]

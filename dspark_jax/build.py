@@ -65,6 +65,11 @@ def load_target(model: str | Path | None = None, *, dtype: Any = None) -> LlamaM
       dtype: a dtype or its name (`parse_dtype`); None: ``auto``.
     Raises:
       ValueError: naming the path and what was expected, before any weight is read.
+
+    >>> load_target("no/such/model.gguf")
+    Traceback (most recent call last):
+    ...
+    ValueError: --model no/such/model.gguf: no such file or folder (expected a GGUF file or a Hugging Face checkpoint folder)
     """
     dtype = parse_dtype(dtype) if dtype is None or isinstance(dtype, str) else dtype
     if model is None:
@@ -90,11 +95,22 @@ class LoadedDrafter:
     drafter: Drafter
     sts_temperatures: np.ndarray | None  # [G] or None
     prior_confidence: float  # the first draft's acceptance on its calibration rounds (the gate's start)
-    path: Path
+    path: Path | None  # the folder it was loaded from (None: built in memory)
 
 
 def load_drafter_for(target: LlamaModel, draft: str | Path | None = "dspark") -> LoadedDrafter:
-    """A drafter by shipped name (``dspark``, ``dflash``) or folder, checked against the target."""
+    """A drafter by shipped name (``dspark``, ``dflash``) or folder, checked against the target.
+
+    Raises:
+      ValueError: naming the folder and what was expected (a drafter folder, or one built for this target).
+
+    >>> from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
+    >>> tiny = LlamaModel(LlamaConfig.tiny(), init_random_weights(LlamaConfig.tiny(), jax.random.key(0)))
+    >>> load_drafter_for(tiny, "dspark")
+    Traceback (most recent call last):
+    ...
+    ValueError: drafter .../dspark was built for a target with (vocab, width, taps) = (49152, 576, 5), but the target has (64, 32, 5)
+    """
     drafter, _, temps, path = resolve_drafter(None if draft is None else str(draft), target_cfg=target.cfg)
     return LoadedDrafter(drafter, temps, prior_confidence(path, EngineConfig.prior_confidence), path)
 
@@ -133,6 +149,22 @@ def build_engine(target: LlamaModel, policy: str = "dspark", *, draft: str | Pat
       temperature, seed: sampling (0: greedy).
       model_name: the name SPS tables record for the target (default: SmolLM2's GGUF file name).
       **config: any other `EngineConfig` field.
+
+    With a target and a drafter of one's own (here tiny and random), speculative decoding gives exactly the
+    plain greedy output:
+
+    >>> from flax import nnx
+    >>> from dspark_jax.models.drafter import Drafter, DrafterConfig
+    >>> from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
+    >>> cfg = LlamaConfig.tiny()
+    >>> target = LlamaModel(cfg, init_random_weights(cfg, jax.random.key(0)))
+    >>> drafter = Drafter(DrafterConfig.for_target(cfg, n_layers=1, ffn_dim=64, rank=8, block=3), rngs=nnx.Rngs(0))
+    >>> own = LoadedDrafter(drafter, sts_temperatures=None, prior_confidence=0.5, path=None)
+    >>> prompts = [[1, 2, 3], [4, 5]]
+    >>> plain = build_engine(target, "none", num_slots=2, max_prompt_tokens=8, max_new_tokens=6).run(prompts, 6)
+    >>> spec = build_engine(target, "fixed:3", draft=own, num_slots=2, max_prompt_tokens=8, max_new_tokens=6)
+    >>> [c.output_ids for c in spec.run(prompts, 6)] == [c.output_ids for c in plain]
+    True
     """
     pol = parse_policy(policy)
     loaded = None

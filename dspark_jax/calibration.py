@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.sps import atomic_write_text
+from dspark_jax.io import atomic_write_text
 
 __all__ = ["STS_GRID", "ece", "brier", "auroc", "reliability_bins", "apply_sts", "survival_from_logits",
            "fit_sts", "events", "calibration_report", "save_temperatures", "load_temperatures"]
@@ -107,7 +107,11 @@ def reliability_bins(pred, outcome, weight=None, bins: int = N_BINS) -> dict[str
 
 @jax.jit
 def apply_sts(conf_logits: jax.Array, temperatures: jax.Array) -> jax.Array:
-    """Calibrated per-position confidences ``sigmoid(logit_k / T_k)``: [..., G], [G] -> [..., G]."""
+    """Calibrated per-position confidences ``sigmoid(logit_k / T_k)``: [..., G], [G] -> [..., G].
+
+    >>> [round(float(c), 3) for c in apply_sts(jnp.array([[0.0, 2.0]]), jnp.array([1.0, 2.0]))[0]]
+    [0.5, 0.731]
+    """
     return jax.nn.sigmoid(conf_logits.astype(jnp.float32) / temperatures.astype(jnp.float32))
 
 
@@ -137,7 +141,23 @@ def _fit(conf_logits, event, observed, grid):
 
 
 def fit_sts(conf_logits, accepted, verified, grid=STS_GRID) -> np.ndarray:
-    """Fit STS temperatures [G] on held-out rounds (see module docstring for the inputs)."""
+    """Fit STS temperatures [G] on held-out rounds (Sequential Temperature Scaling, spec section 2.3).
+
+    Position by position, the temperature of the grid whose calibrated survival has the least ECE against
+    the observed survival, given the temperatures already chosen for the earlier positions.
+
+    Args:
+      conf_logits: float [N, G], the confidence head's raw logits of N drafted rounds.
+      accepted: int [N], drafts accepted in each round.
+      verified: int [N], drafts verified in each round (positions beyond it are unobserved).
+      grid: candidate temperatures.
+    Returns:
+      float32 [G] temperatures (use with `apply_sts`).
+
+    >>> logits = np.array([[4.0], [4.0], [4.0], [4.0]])  # overconfident: sigmoid(4) = 0.98, half survive
+    >>> fit_sts(logits, accepted=[1, 0, 1, 0], verified=[1, 1, 1, 1]).tolist() > [1.0]
+    True
+    """
     conf_logits = jnp.asarray(conf_logits, jnp.float32)
     if conf_logits.ndim != 2:
         raise ValueError(f"conf_logits: expected [N, G], got shape {conf_logits.shape}")

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from dspark_jax.sps import atomic_write_text
+from dspark_jax.io import atomic_write_text
 
 BF16 = ml_dtypes.bfloat16
 
@@ -68,15 +68,32 @@ def load_prompts(paths: Sequence[str | os.PathLike], limit: int | None = None) -
                     break
                 if not line.strip():
                     continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{f}:{n + 1}: not valid JSON ({e})") from None
-                turns = obj.get("turns") if isinstance(obj, dict) else None
-                if not turns or not all(isinstance(t, str) for t in turns):
-                    raise ValueError(f"{f}:{n + 1}: expected {{\"turns\": [\"...\", ...]}}, got {line[:80]!r}")
-                out.append(Prompt(len(out), f.stem, tuple(turns)))
+                out.append(Prompt(len(out), f.stem, parse_turns(line, f"{f}:{n + 1}")))
     return out
+
+
+def parse_turns(line: str, where: str = "prompt") -> tuple[str, ...]:
+    """The user turns of one prompts-file line, ``{"turns": ["first turn", ...]}``.
+
+    Raises:
+      ValueError: naming `where` (file:line) and what was expected.
+
+    >>> parse_turns('{"turns": ["Hi", "And then?"]}')
+    ('Hi', 'And then?')
+    >>> parse_turns('{"turns": "not a list"}', "p.jsonl:3")
+    Traceback (most recent call last):
+    ...
+    ValueError: p.jsonl:3: expected {"turns": ["...", ...]} (a non-empty list of strings), got '{"turns": "not a list"}'
+    """
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from None
+    turns = obj.get("turns") if isinstance(obj, dict) else None
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise ValueError(f"{where}: expected {{\"turns\": [\"...\", ...]}} (a non-empty list of strings), "
+                         f"got {line.strip()[:80]!r}")
+    return tuple(turns)
 
 
 # ------------------------------------------------------------------------------------------ stage 1
@@ -121,11 +138,6 @@ def generate_responses(model, prompts: Sequence[Prompt], out_dir: str | os.PathL
         bar.update(len(chunk))
     bar.close()
     return files
-
-
-def load_sequences(data_dir: str | os.PathLike) -> list[dict]:
-    """The generated (non-skipped) records of all chunk files, ordered by prompt index."""
-    return sorted((r for chunk in load_chunks(data_dir).values() for r in chunk), key=lambda r: r["index"])
 
 
 def load_chunks(data_dir: str | os.PathLike) -> dict[str, list[dict]]:

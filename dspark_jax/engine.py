@@ -128,6 +128,12 @@ TIME_EMA = 0.1  # weight of the newest round in the measured correction of the c
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
+    """Static settings of an `Engine`: slots, cache capacity per slot, sampling, and the drafter gate.
+
+    >>> EngineConfig(num_slots=4, capacity=512, temperature=0.7).num_slots
+    4
+    """
+
     num_slots: int = 16
     capacity: int = 1024
     temperature: float = 0.0
@@ -287,6 +293,16 @@ class Engine:
       sps: for the ``dspark`` policies, an `SPSTable` (its cost model, when it has one, gives a fresh
         steps/s curve every round for the round's requests and context) or a dense steps/s array [N]
         (default: the shipped CPU table).
+
+    `submit` queues a request, `step` runs one round, `run` decodes a list of prompts to the end
+    (`dspark_jax.build_engine` builds one from names and paths):
+
+    >>> from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
+    >>> cfg = LlamaConfig.tiny()
+    >>> target = LlamaModel(cfg, init_random_weights(cfg, jax.random.key(0)))
+    >>> engine = Engine(target, None, "none", EngineConfig(num_slots=2, capacity=64))
+    >>> [len(c.output_ids) for c in engine.run([[1, 2, 3], [4, 5]], max_new_tokens=4)]
+    [4, 4]
     """
 
     def __init__(self, target: LlamaModel, drafter: dr.Drafter | None, policy: Policy | str = "dspark",
@@ -305,6 +321,13 @@ class Engine:
         self.greedy = config.temperature == 0
         S = config.num_slots
         self.G = self.drafter.cfg.block if self.drafter is not None else 1
+        if S < 1:
+            raise ValueError(f"num_slots: expected an integer >= 1, got {S}")
+        most = S * (self.G + 1) if self.drafter is not None else S  # tokens of the largest verification
+        if most > BUCKETS[-1]:
+            raise ValueError(f"num_slots={S} with block {self.G}: a round may verify {most} tokens, more than the "
+                             f"largest verification batch {BUCKETS[-1]}; use at most "
+                             f"{BUCKETS[-1] // (self.G + 1) if self.drafter is not None else BUCKETS[-1]} slots")
         if stop_ids is None:
             stop_ids = target.tokenizer.stop_ids if target.tokenizer is not None else ()
         self.stop_ids = np.asarray(sorted(set(int(t) for t in stop_ids)) or [-1], np.int32)

@@ -8,17 +8,17 @@ from typing import Sequence
 import numpy as np
 
 from dspark_jax import calibration
-from dspark_jax.engine import Engine, EngineConfig, Policy, RoundStats
+from dspark_jax.build import LoadedDrafter, build_engine
+from dspark_jax.engine import Engine, RoundStats
 
 
 def fixed_block_rounds(model, drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,
                        concurrency: int = 8, seed: int = 0, sts_temperatures=None) -> tuple[list[RoundStats], Engine]:
     """Decode ``prompts`` verifying the whole block every round (policy fixed:G), recording confidences."""
-    G = drafter.cfg.block
-    longest = max(len(p) for p in prompts)
-    capacity = -(-(longest + max_new_tokens + G + 1) // 128) * 128
-    cfg = EngineConfig(num_slots=concurrency, capacity=capacity, temperature=temperature, seed=seed)
-    engine = Engine(model, drafter, Policy("fixed", k=G), cfg, sts_temperatures=sts_temperatures)
+    own = LoadedDrafter(drafter, sts_temperatures, prior_confidence=0.5, path=None)  # the prior is unused by fixed:G
+    engine = build_engine(model, f"fixed:{drafter.cfg.block}", draft=own, num_slots=concurrency,
+                          max_prompt_tokens=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
+                          temperature=temperature, seed=seed)
     engine.record_confidences = True
     engine.run(prompts, max_new_tokens)
     return engine.rounds, engine

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from dspark_jax.build import add_engine_arguments, engine_from_args, load_target
+from dspark_jax.data import parse_turns
 from dspark_jax.engine import parse_policy
 
 
@@ -29,13 +30,7 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                turns = json.loads(line)["turns"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: expected a JSON object with a 'turns' list ({e})") from e
-            if not turns or not isinstance(turns[0], str):
-                raise ValueError(f"{path}:{n}: 'turns' must hold at least one string")
-            prompts.append(turns[0])
+            prompts.append(parse_turns(line, f"{path}:{n}")[0])
             if limit is not None and len(prompts) >= limit:
                 break
     return prompts

@@ -73,6 +73,10 @@ class Schedule(NamedTuple):
       batch_tokens: int32 [], ``B = R_active + sum(lengths)``.
       expected_tokens: float32 [], ``tau = R_active + sum_r sum_{j<=l_r} a[r, j]``.
       throughput: float32 [], ``tau * SPS(B)`` (expected tokens per second).
+
+    >>> s = schedule(jnp.array([[0.9, 0.1]]), jnp.array([1.0, 1.0, 1.0, 0.5]))
+    >>> int(s.batch_tokens), round(float(s.expected_tokens), 2)
+    (2, 1.9)
     """
 
     lengths: jax.Array
@@ -115,6 +119,10 @@ def survival_probs(confidences: jax.Array, *, active: jax.Array | None = None) -
     non-increasing along each row. Survivals below the smallest normal float32 (~1.2e-38) are set to
     exactly 0, so every backend agrees whether or not it flushes subnormals.
 
+    Inside jit nothing can raise, so the contract is enforced by value: a NaN confidence counts as 0 (that
+    draft and the rest of its row are never verified) and values outside [0, 1] are clipped. Outside jit,
+    :func:`check_inputs` / :func:`schedule_checked` reject such input with a ``ValueError``.
+
     Args:
       confidences: float [R, G] in [0, 1].
       active: optional bool [R].
@@ -124,8 +132,10 @@ def survival_probs(confidences: jax.Array, *, active: jax.Array | None = None) -
 
     >>> survival_probs(jnp.array([[0.5, 0.5, 1.0]])).tolist()
     [[0.5, 0.25, 0.25]]
+    >>> survival_probs(jnp.array([[5.0, jnp.nan, 1.0]])).tolist()
+    [[1.0, 0.0, 0.0]]
     """
-    c = confidences.astype(jnp.float32)
+    c = jnp.clip(jnp.nan_to_num(confidences.astype(jnp.float32), nan=0.0), 0.0, 1.0)
     cols = [c[:, 0]]
     for j in range(1, c.shape[1]):
         cols.append(cols[-1] * c[:, j])
@@ -412,12 +422,12 @@ def check_inputs(confidences, sps, *, active=None) -> None:
     bad = (conf < 0) | (conf > 1)
     if bad.any():
         r, g = np.argwhere(bad)[0]
-        raise ValueError(f"confidences: expected values in [0, 1], got {conf[r, g]!r} at [{r}, {g}]")
+        raise ValueError(f"confidences: expected values in [0, 1], got {float(conf[r, g])} at [{r}, {g}]")
     if table.ndim != 1 or table.shape[0] < 1:
         raise ValueError(f"sps: expected a 1-D table [N] with N >= 1, got shape {table.shape}")
     if not np.isfinite(table).all() or (table <= 0).any():
         i = int(np.argwhere(~np.isfinite(table) | (table <= 0))[0, 0])
-        raise ValueError(f"sps: expected finite, positive steps/s, got {table[i]!r} at index {i}")
+        raise ValueError(f"sps: expected finite, positive steps/s, got {float(table[i])} at index {i}")
     if active is None:
         r_act = conf.shape[0]
     else:

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dspark_jax.sps import atomic_write_text
+from dspark_jax.io import atomic_write_text
 
 __all__ = ["Timing", "time_call", "device_info", "write_json", "format_table", "compile_count"]
 

@@ -153,6 +153,14 @@ def speculative_accept(
     Returns:
       ``(num_accepted, next_token)``: int32 [R] accepted drafts (0..lengths) and int32 [R] the token
       emitted after them (replacement or bonus).
+
+    A draft the target would have produced with certainty is always accepted:
+
+    >>> p = jnp.array([[[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]]])  # [R=1, G+1=3, V=2]: target is sure of 1, 0, 1
+    >>> q = jnp.array([[[0.5, 0.5], [0.5, 0.5]]])                # [R, G, V]: the drafter's distributions
+    >>> n, nxt = speculative_accept(jax.random.key(0), jnp.array([[1, 0]]), q, p, jnp.array([2]))
+    >>> n.tolist(), nxt.tolist()
+    ([2], [1])
     """
     num_rows, g = draft_tokens.shape
     keys = _row_keys(key, num_rows)

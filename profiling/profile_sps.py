@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from dspark_jax import profiling
 from dspark_jax.plots import plot_sps
-from dspark_jax.sps import check_writable
+from dspark_jax.io import check_writable
 from dspark_jax.timing import format_table
 
 DEFAULT_OUT = Path("runs/sps/sps_table.json")

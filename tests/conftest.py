@@ -58,7 +58,7 @@ def _map_limit() -> int:
 def _bounded_compiled_code():
     """Every program XLA compiles for the CPU keeps a few memory mappings for its code while it is cached, and
     the whole suite compiles thousands in one process: past the kernel's limit (vm.max_map_count, 65530 by
-    default) the next compilation segfaults (it did, at 93% of the suite, 2026-11-30). After a test, when the
+    default) the next compilation segfaults. After a test, when the
     process holds more than half the limit, drop JAX's caches (the next tests recompile what they use). No
     test is affected inside itself: tests that count compilations warm up within the test."""
     yield

@@ -4,12 +4,13 @@ import doctest
 
 import pytest
 
-from dspark_jax import calibration, scheduler, sps, verify
+from dspark_jax import build, calibration, data, io, scheduler, verify
+from dspark_jax.sps import cost_model, dense, tables
 
 
-@pytest.mark.parametrize("module", [scheduler, verify, sps, calibration])
+@pytest.mark.parametrize("module", [scheduler, verify, calibration, cost_model, dense, tables, data, io, build])
 def test_doctests(module):
     result = doctest.testmod(module, extraglobs={"jnp": __import__("jax.numpy").numpy}, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
-    if module is not sps:
+    if module is not io:
         assert result.attempted > 0

@@ -15,7 +15,10 @@ def test_read_prompts_first_turns_and_limit(tmp_path):
     assert generate.read_prompts(f) == ["a", "c", "d"]
     assert generate.read_prompts(f, limit=2) == ["a", "c"]
     f.write_text('{"turns": ["a"]}\n{"prompt": "x"}\n', encoding="utf-8")
-    with pytest.raises(ValueError, match=r"p\.jsonl:2: expected a JSON object with a 'turns' list"):
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: expected \{\"turns\": \[\"\.\.\.\", \.\.\.\]\}"):
+        generate.read_prompts(f)
+    f.write_text('{"turns": "not a list"}\n', encoding="utf-8")  # a string is not a list of turns
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: .*a non-empty list of strings"):
         generate.read_prompts(f)
 
 

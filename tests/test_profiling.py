@@ -472,9 +472,9 @@ def test_reference_context_must_be_measured(tmp_path, no_measuring):
 
 
 def test_missing_default_table_is_clear(monkeypatch):
-    from dspark_jax import sps
+    from dspark_jax.sps import tables
 
-    monkeypatch.setattr(sps, "DEFAULT_TABLE", "assets/sps/no_such_table.json")
+    monkeypatch.setattr(tables, "DEFAULT_TABLE", "assets/sps/no_such_table.json")
     with pytest.raises(ValueError, match="packaged SPS table assets/sps/no_such_table.json is missing"):
         default_sps_table()
 
@@ -533,8 +533,10 @@ def test_host_cpu_reads_the_vector_unit(monkeypatch, tmp_path):
     info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n"
                     "model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx fma avx2 bmi2\n\n"
                     "processor\t: 1\nvendor_id\t: Other\nmodel\t\t: 2\n")
-    real = sps.Path
-    monkeypatch.setattr(sps, "Path", lambda p: real(info) if str(p) == "/proc/cpuinfo" else real(p))
+    from dspark_jax.sps import host
+
+    real = host.Path
+    monkeypatch.setattr(host, "Path", lambda p: real(info) if str(p) == "/proc/cpuinfo" else real(p))
     cpu = sps.host_cpu()
     assert (cpu["vendor"], cpu["model_name"], cpu["family"], cpu["isa"]) == ("AuthenticAMD", "AMD EPYC 7B13",
                                                                             "25/1", "avx2")
@@ -547,7 +549,7 @@ def test_every_packaged_table_loads_and_names_its_cpu():
 
     from dspark_jax import sps
 
-    tables = sps._packaged_tables()
+    tables = sps.packaged_tables()
     assert tables[0][0] == sps.DEFAULT_TABLE and len(tables) >= 3
     for name, _ in tables:
         with importlib.resources.as_file(importlib.resources.files("dspark_jax").joinpath(name)) as path:
@@ -651,15 +653,15 @@ def test_round_overhead_adds_to_its_kind_everywhere(tmp_path):
 
 
 def test_nondecreasing_fit_pools_adjacent_violators():
-    from dspark_jax.sps import _nondecreasing
+    from dspark_jax.sps import nondecreasing
 
-    np.testing.assert_allclose(_nondecreasing([3.0, 1.0, 2.0]), [2.0, 2.0, 2.0])
-    np.testing.assert_allclose(_nondecreasing([1.0, 3.0, 2.0, 4.0]), [1.0, 2.5, 2.5, 4.0])
-    np.testing.assert_allclose(_nondecreasing([1.0, 2.0, 5.0]), [1.0, 2.0, 5.0])
+    np.testing.assert_allclose(nondecreasing([3.0, 1.0, 2.0]), [2.0, 2.0, 2.0])
+    np.testing.assert_allclose(nondecreasing([1.0, 3.0, 2.0, 4.0]), [1.0, 2.5, 2.5, 4.0])
+    np.testing.assert_allclose(nondecreasing([1.0, 2.0, 5.0]), [1.0, 2.0, 5.0])
     rng = np.random.default_rng(0)
     for _ in range(50):
         y = rng.normal(size=7)
-        fit = _nondecreasing(y)
+        fit = nondecreasing(y)
         assert np.all(np.diff(fit) >= -1e-12) and fit.sum() == pytest.approx(y.sum())
         # no other non-decreasing sequence on a grid of candidates is closer
         for _ in range(20):
@@ -673,13 +675,13 @@ def test_monotone_minorant_is_the_greatest_monotone_array_below():
     kept as measured."""
     import itertools
 
-    from dspark_jax.sps import _monotone_minorant
+    from dspark_jax.sps import monotone_minorant
 
-    np.testing.assert_allclose(_monotone_minorant([32.7, 56.5, 34.4, 42.4], (0,)), [32.7, 34.4, 34.4, 42.4])
+    np.testing.assert_allclose(monotone_minorant([32.7, 56.5, 34.4, 42.4], (0,)), [32.7, 34.4, 34.4, 42.4])
     rng = np.random.default_rng(1)
     for shape in ((4, 7), (3, 4, 5)):
         y = rng.lognormal(size=shape)
-        f = _monotone_minorant(y, range(len(shape)))
+        f = monotone_minorant(y, range(len(shape)))
         for idx in itertools.product(*map(range, shape)):
             beyond = y[tuple(slice(i, None) for i in idx)]
             assert f[idx] == beyond.min()

@@ -95,8 +95,12 @@ def check_gguf_magic(path: str | Path) -> None:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
-        raise GGUFError(f"{path} is not a GGUF file: it starts with {magic!r}, expected {GGUF_MAGIC!r}. "
-                        f"Delete it to fetch the model again.")
+        if path.resolve().parent == model_cache_dir().resolve():  # our own download, damaged
+            hint = "It is the cached download: delete it to fetch the model again."
+        else:
+            hint = ("--model takes a GGUF file or a Hugging Face checkpoint folder (config.json, *.safetensors, "
+                    "tokenizer.json): for a safetensors checkpoint, pass its folder.")
+        raise GGUFError(f"{path} is not a GGUF file: it starts with {magic!r}, expected {GGUF_MAGIC!r}. {hint}")
 
 
 def validate_gguf(path: str | Path):
