@@ -25,7 +25,7 @@ from dspark_jax.timing import device_info, format_table, write_json
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p, draft=False)
-    p.add_argument("--quick", action="store_true", help="one user, fewer repeats (about a minute)")
+    p.add_argument("--quick", action="store_true", help="one user, verification of 1, 4, 8 tokens, rounds none and fixed:3/7, fewer repeats")
     p.add_argument("--json", help="write the rows and the device description here")
     p.add_argument("--users", type=int, nargs="+", help="numbers of users (default 1 4 16; quick: 1)")
     p.add_argument("--context", type=int, default=140, help="tokens each request holds")
@@ -34,9 +34,9 @@ def main(argv=None):
     target = load_target(args.model, dtype=args.dtype)
     drafter = random_drafter(target.cfg)
     users = args.users or ((1,) if args.quick else (1, 4, 16))
+    quick = dict(verify_tokens=(1, 4, 8), drafts=(3, 7), repeats=3, rounds=4) if args.quick else {}
     rows = round_stage_rows(target, drafter, users=users, context=args.context,
-                            repeats=3 if args.quick else 7, rounds=4 if args.quick else 12,
-                            warmup=2, progress=print)
+                            **{**dict(repeats=7, rounds=12), **quick}, warmup=2, progress=print)
     print(format_table(rows, ["users", "stage", "ms", "of_plain_round", "of_floor", "tokens", "rest_ms"]))
     if args.json:
         write_json(args.json, {"device": device_info(), "date": datetime.date.today().isoformat(),

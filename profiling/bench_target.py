@@ -4,9 +4,10 @@ and both beside the weights-only floor at the same token count.
     python -m profiling.bench_target [--quick] [--json out.json] [--model PATH]
 
 Floor table (`dspark_jax.stages.target_step_rows`): at contexts 256 and 1024 and 1, 4, 16, 64 slots (quick:
-1 and 16 slots), the decode step (one token per slot) and the verification of 8 tokens per slot, each timed
+1 and 4 slots), the decode step (one token per slot) and the verification of 8 tokens per slot, each timed
 in turns with the weights-only program (the same scanned layers' weight matmuls and LM head, no attention, no
-cache) at the same token count; ratio = step / floor, both measured in this run.
+cache) at the same token count; ratio = step / floor, both measured in this run. ``--quick`` prints this
+table only.
 
 Every slot holds `--context` committed tokens (one real prompt's K/V, copied to all slots). Decode: one token
 per slot per step. Verification: T tokens spread round-robin over 16 slots, with the per-token cache gather
@@ -82,7 +83,7 @@ def bench_verify(model, sizes, context, num_slots, repeats, modes):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer repeats, grid mode only (< 1 min on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="the floor table at 1 and 4 slots only, fewer repeats")
     p.add_argument("--json", help="write the rows and the device description here")
     p.add_argument("--model", help="GGUF path (default: the cached SmolLM2-135M-Instruct)")
     p.add_argument("--context", type=int, default=256, help="committed tokens per slot")
@@ -92,12 +93,12 @@ def main(argv=None):
     model = LlamaModel.from_gguf(args.model)
     repeats = 3 if args.quick else 7
     modes = ("grid",) if args.quick else ("per_token", "grid")
-    floor = target_step_rows(model.weights, model.cfg, slots=(1, 16) if args.quick else (1, 4, 16, 64),
+    floor = target_step_rows(model.weights, model.cfg, slots=(1, 4) if args.quick else (1, 4, 16, 64),
                              contexts=(256, 1024), per_slot=(1, 8), repeats=repeats, progress=print)
     print(format_table(floor, ["kind", "slots", "context", "per_slot", "tokens", "window", "step_ms", "floor_ms",
                                "ratio"]))
     decode = verify = []
-    if not args.floor_only:
+    if not (args.floor_only or args.quick):
         decode = bench_decode(model, (1, 4, 16), args.context, repeats)
         verify = bench_verify(model, (8, 32, 128, 512), args.context, 16, repeats, modes)
         print()
