@@ -76,16 +76,20 @@ def weights_only_forward(weights: LlamaWeights, tokens: jax.Array, cfg: LlamaCon
     return logits_from_hidden(weights, rms_norm(x, weights.final_norm, cfg.norm_eps))
 
 
-def interleaved(thunks: dict[str, Callable[[], Any]], *, repeats: int = 5, warmup: int = 1) -> dict[str, Timing]:
+def interleaved(thunks: dict[str, Callable[[], Any]], *, repeats: int = 5, warmup: int = 1,
+                burst: int = 1) -> dict[str, Timing]:
     """Time several thunks in turns (a, b, c, a, b, c, ...), blocking on each result.
 
     Warm-up calls (compilation) are excluded. Taking turns, a host whose speed drifts slows every thunk
-    alike, so ratios between them are sound even where absolute times are not.
+    alike, so ratios between them are sound even where absolute times are not. With ``burst`` > 1 each turn
+    calls its thunk ``burst`` times and times the last call only: the thunk then runs with its data in the
+    caches, as a program the engine runs round after round does, not evicted by the other thunks.
 
     Args:
         thunks: name -> a function of no arguments returning arrays.
         repeats: timed calls of each thunk (at least 1).
         warmup: untimed calls of each thunk first.
+        burst: calls per turn, the last one timed (at least 1).
     Returns:
         name -> `Timing` (median, quartiles) in seconds.
 
@@ -93,14 +97,17 @@ def interleaved(thunks: dict[str, Callable[[], Any]], *, repeats: int = 5, warmu
     >>> sorted(t), t["a"].repeats
     (['a', 'b'], 3)
     """
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"interleaved: repeats >= 1 and warmup >= 0 expected, got {repeats} and {warmup}")
+    if repeats < 1 or warmup < 0 or burst < 1:
+        raise ValueError(f"interleaved: repeats >= 1, warmup >= 0 and burst >= 1 expected, got {repeats}, "
+                         f"{warmup} and {burst}")
     for fn in thunks.values():
         for _ in range(warmup):
             jax.block_until_ready(fn())
     samples: dict[str, list[float]] = {name: [] for name in thunks}
     for _ in range(repeats):
         for name, fn in thunks.items():
+            for _ in range(burst - 1):
+                jax.block_until_ready(fn())
             t0 = time.perf_counter()
             jax.block_until_ready(fn())
             samples[name].append(time.perf_counter() - t0)
@@ -155,7 +162,7 @@ def _verify_thunk(weights, cfg, *, rows: int, per_row: int, max_per_slot: int, c
 
 def target_step_rows(weights: LlamaWeights, cfg: LlamaConfig, *, slots: Sequence[int] = (1, 4, 16, 64),
                      contexts: Sequence[int] = (256, 1024), per_slot: Sequence[int] = (1, 8), repeats: int = 5,
-                     progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                     burst: int = 2, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The target's decode and verification steps beside the weights-only floor at the same token count.
 
     For every context L and slot count S: the decode step (``per_slot`` 1: one token per slot,
@@ -167,7 +174,7 @@ def target_step_rows(weights: LlamaWeights, cfg: LlamaConfig, *, slots: Sequence
     Args:
         weights, cfg: the target.
         slots: slot counts S; contexts: tokens held per slot L; per_slot: tokens per slot M (1: decode).
-        repeats: timed calls of each thunk.
+        repeats: timed calls of each thunk; burst: calls per turn, the last timed (:func:`interleaved`).
         progress: called with a label before each group (e.g. ``print``).
     Returns:
         rows ``{"kind": "decode" | "verify", "slots", "context", "per_slot", "tokens", "window", "step_ms",
@@ -190,7 +197,7 @@ def target_step_rows(weights: LlamaWeights, cfg: LlamaConfig, *, slots: Sequence
                                                         window=window, capacity=capacity)
                 meta[M] = (S * M, window)
                 thunks.setdefault(f"floor:{S * M}", _floor_thunk(weights, cfg, S * M))
-            times = interleaved(thunks, repeats=repeats)
+            times = interleaved(thunks, repeats=repeats, burst=burst)
             for M, (T, window) in meta.items():
                 step, floor = times[f"step:{M}"].median, times[f"floor:{T}"].median
                 rows.append({"kind": "decode" if M == 1 else "verify", "slots": S, "context": L, "per_slot": M,
@@ -345,7 +352,7 @@ def _engine_rounds(target: LlamaModel, drafter: Drafter, *, users: int, context:
 def round_stage_rows(target: LlamaModel, drafter: Drafter, *, users: Sequence[int] = (1, 4, 16),
                      context: int = 140, verify_tokens: Sequence[int] = (1, 2, 4, 8),
                      drafts: Sequence[int] = (1, 3, 7), repeats: int = 5, rounds: int = 8, warmup: int = 2,
-                     progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                     burst: int = 2, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """One decoding round cut into stages at each number of users, beside the weights-only floor and the
     engine's own rounds.
 
@@ -366,7 +373,8 @@ def round_stage_rows(target: LlamaModel, drafter: Drafter, *, users: Sequence[in
         target: the target model; drafter: a drafter for it (random weights cost the same).
         users: numbers of requests decoded together (R); context: tokens each holds (L).
         verify_tokens: tokens per request of the verification rows; drafts: K of the ``fixed:K`` rounds.
-        repeats: timed calls per stage; rounds, warmup: steady engine rounds timed, and rounds skipped first.
+        repeats: timed calls per stage; burst: calls per turn, the last timed (:func:`interleaved`);
+        rounds, warmup: steady engine rounds timed, and rounds skipped first.
         progress: called with a label before each group.
     Returns:
         rows ``{"users", "stage", "ms", "of_plain_round", "of_floor"}`` (the ratios to the plain round and
@@ -393,7 +401,7 @@ def round_stage_rows(target: LlamaModel, drafter: Drafter, *, users: Sequence[in
                                                   window=window_v, capacity=window_v)
             T = bucket_for(R * k)
             thunks.setdefault(f"floor {T}", _floor_thunk(target.weights, cfg, T))
-        times = {name: t.median for name, t in interleaved(thunks, repeats=repeats).items()}
+        times = {name: t.median for name, t in interleaved(thunks, repeats=repeats, burst=burst).items()}
         del thunks
         if progress is not None:
             progress(f"engine rounds: {R} users")

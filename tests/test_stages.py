@@ -54,12 +54,16 @@ def test_interleaved_takes_turns_and_counts():
     assert calls == ["a", "b", "c"] + ["a", "b", "c"] * 3  # warm-up of each, then turns
     assert {n: t.repeats for n, t in times.items()} == {"a": 3, "b": 3, "c": 3}
     assert all(t.p25 <= t.median <= t.p75 for t in times.values())
+    calls.clear()
+    stages.interleaved(thunks, repeats=2, warmup=0, burst=2)
+    assert calls == ["a", "a", "b", "b", "c", "c"] * 2  # each turn a burst, the last call timed
     with pytest.raises(ValueError, match="repeats >= 1"):
         stages.interleaved(thunks, repeats=0)
 
 
 def test_target_step_rows_pair_each_step_with_the_floor(tiny):
-    rows = stages.target_step_rows(tiny.weights, tiny.cfg, slots=(2,), contexts=(20,), per_slot=(1, 4), repeats=1)
+    rows = stages.target_step_rows(tiny.weights, tiny.cfg, slots=(2,), contexts=(20,), per_slot=(1, 4), repeats=1,
+                                   burst=1)
     assert [(r["kind"], r["slots"], r["per_slot"], r["tokens"], r["window"]) for r in rows] == [
         ("decode", 2, 1, 2, 128), ("verify", 2, 4, 8, 128)]
     for r in rows:
@@ -70,7 +74,7 @@ def test_target_step_rows_pair_each_step_with_the_floor(tiny):
 def test_round_stage_rows_cover_every_stage(tiny):
     drafter = Drafter(DrafterConfig.for_target(tiny.cfg, n_layers=1, ffn_dim=64, rank=8, block=3), rngs=nnx.Rngs(0))
     rows = stages.round_stage_rows(tiny, drafter, users=(2,), context=12, verify_tokens=(1, 4), drafts=(3,),
-                                   repeats=1, rounds=1, warmup=1)
+                                   repeats=1, rounds=1, warmup=1, burst=1)
     by = {r["stage"]: r for r in rows}
     assert set(by) == {"drafter layers", "LM head", "sequential + confidence heads", "confidence head",
                        "draft program", "schedule", "context write", "host round trip", "verify 1", "verify 4",
