@@ -33,8 +33,9 @@ from jax import lax
 
 from dspark_jax import scheduler
 from dspark_jax.models.drafter import Drafter, draft, draft_head_weights, init_drafter_cache, write_context
-from dspark_jax.models.llama import (BUCKETS, LayerWeights, LlamaConfig, LlamaModel, LlamaWeights, bucket_for, context_bucket,
-                                     decode_step, forward_packed, init_cache, logits_from_hidden, rms_norm)
+from dspark_jax.models.llama import (BUCKETS, LayerWeights, LlamaConfig, LlamaModel, LlamaWeights, bucket_for,
+                                     context_bucket, decode_step, forward_packed, init_cache, logits_from_hidden,
+                                     rms_norm)
 from dspark_jax.timing import Timing
 
 __all__ = ["interleaved", "round_stage_rows", "target_step_rows", "weights_only_forward"]

@@ -25,7 +25,8 @@ from dspark_jax.timing import device_info, format_table, write_json
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p, draft=False)
-    p.add_argument("--quick", action="store_true", help="one user, verification of 1, 4, 8 tokens, rounds none and fixed:3/7, fewer repeats")
+    p.add_argument("--quick", action="store_true",
+                   help="one user, verification of 1, 4, 8 tokens, rounds none and fixed:3/7, fewer repeats")
     p.add_argument("--json", help="write the rows and the device description here")
     p.add_argument("--users", type=int, nargs="+", help="numbers of users (default 1 4 16; quick: 1)")
     p.add_argument("--context", type=int, default=140, help="tokens each request holds")
