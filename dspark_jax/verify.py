@@ -25,6 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.models.llama import first_argmax
+
 __all__ = ["acceptance_probs", "next_token_probs", "speculative_accept", "greedy_accept", "leading_true",
            "top_p_filter"]
 
@@ -197,7 +199,7 @@ def greedy_accept(
     >>> greedy_accept(jnp.array([[1, 0]]), jnp.array([[[0., 1.], [0., 1.], [1., 0.]]]), jnp.array([2]))
     (Array([1], dtype=int32), Array([1], dtype=int32))
     """
-    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [R, G + 1]
+    best = first_argmax(target_logits)  # [R, G + 1], as jnp.argmax
     n = leading_true(draft_tokens.astype(jnp.int32) == best[:, :-1], lengths.astype(jnp.int32))
     nxt = jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]
     return n, nxt

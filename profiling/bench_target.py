@@ -1,6 +1,13 @@
-"""Target model speed: plain decode tokens/s against concurrent slots, packed-verification step time against T.
+"""Target model speed: plain decode tokens/s against concurrent slots, packed-verification step time against T,
+and both beside the weights-only floor at the same token count.
 
     python -m profiling.bench_target [--quick] [--json out.json] [--model GGUF|HF_FOLDER] [--dtype auto]
+
+Floor table (`dspark_jax.stages.target_step_rows`): at contexts 256 and 1024 and 1, 4, 16, 64 slots (quick:
+1 and 4 slots), the decode step (one token per slot) and the verification of 8 tokens per slot, each timed
+in turns with the weights-only program (the same scanned layers' weight matmuls and LM head, no attention, no
+cache) at the same token count; ratio = step / floor, both measured in this run. ``--quick`` prints this
+table only.
 
 Every slot holds `--context` committed tokens (one real prompt's K/V, copied to all slots). Decode: one token
 per slot per step. Verification: T tokens spread round-robin over 16 slots, with the per-token cache gather
@@ -18,6 +25,7 @@ import numpy as np
 
 from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.models.llama import LlamaModel, bucket_for, decode_step, forward_packed
+from dspark_jax.stages import target_step_rows
 from dspark_jax.timing import device_info, format_table, time_call, write_json
 
 
@@ -75,23 +83,32 @@ def bench_verify(model, sizes, context, num_slots, repeats, modes):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer repeats, grid mode only (< 1 min on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="the floor table at 1 and 4 slots only, fewer repeats")
     p.add_argument("--json", help="write the rows and the device description here")
     add_model_arguments(p, draft=False)
     p.add_argument("--context", type=int, default=256, help="committed tokens per slot")
+    p.add_argument("--floor-only", action="store_true", help="only the table beside the weights-only floor")
     args = p.parse_args(argv)
 
     model = load_target(args.model, dtype=args.dtype)
     repeats = 3 if args.quick else 7
     modes = ("grid",) if args.quick else ("per_token", "grid")
-    decode = bench_decode(model, (1, 4, 16), args.context, repeats)
-    verify = bench_verify(model, (8, 32, 128, 512), args.context, 16, repeats, modes)
-    print(format_table(decode, ["slots", "context", "capacity", "step_ms", "tokens_per_s"]))
-    print()
-    print(format_table(verify, ["T", "mode", "slots", "context", "capacity", "step_ms", "tokens_per_s"]))
+    floor = target_step_rows(model.weights, model.cfg, slots=(1, 4) if args.quick else (1, 4, 16, 64),
+                             contexts=(256, 1024), per_slot=(1, 8), repeats=repeats, progress=print)
+    print(format_table(floor, ["kind", "slots", "context", "per_slot", "tokens", "window", "step_ms", "floor_ms",
+                               "ratio"]))
+    decode = verify = []
+    if not (args.floor_only or args.quick):
+        decode = bench_decode(model, (1, 4, 16), args.context, repeats)
+        verify = bench_verify(model, (8, 32, 128, 512), args.context, 16, repeats, modes)
+        print()
+        print(format_table(decode, ["slots", "context", "capacity", "step_ms", "tokens_per_s"]))
+        print()
+        print(format_table(verify, ["T", "mode", "slots", "context", "capacity", "step_ms", "tokens_per_s"]))
     if args.json:
         write_json(args.json, {"device": device_info(), "date": datetime.date.today().isoformat(),
-                               "dtype": str(model.dtype), "quick": args.quick, "decode": decode, "verify": verify})
+                               "dtype": str(model.dtype), "quick": args.quick, "floor": floor, "decode": decode,
+                               "verify": verify})
 
 
 if __name__ == "__main__":

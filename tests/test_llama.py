@@ -13,6 +13,7 @@ import pytest
 from dspark_jax import decoding
 from dspark_jax.models import llama
 from dspark_jax.models.llama import (
+    first_argmax,
     KVCache, LlamaConfig, LlamaModel, bucket_for, commit, decode_step, default_tap_layers, forward_packed,
     init_cache, init_random_weights, logits_from_hidden, masked_softmax, prefill_prompt,
 )
@@ -436,3 +437,12 @@ def test_real_packed_verification_equals_each_slot_alone(target):
         np.testing.assert_allclose(packed[idx], alone, rtol=1e-4, atol=1e-4)
         full = np.asarray(target.score(prompts[s] + drafts[s]))
         np.testing.assert_allclose(alone, full[len(prompts[s]):], rtol=1e-4, atol=1e-4 * np.abs(full).max())
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 15), (2, 16), (17,), (2, 3, 49)])
+def test_first_argmax_equals_argmax_ties_included(shape):
+    x = np.random.default_rng(0).integers(-2, 3, shape).astype(np.float32)  # many ties
+    x.reshape(-1)[0] = -np.inf
+    got = jax.jit(first_argmax)(jnp.asarray(x))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.argmax(x, axis=-1))

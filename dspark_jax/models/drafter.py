@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from dspark_jax.models.llama import masked_softmax, rope
+from dspark_jax.models.llama import first_argmax, masked_softmax, rope
 
 HEADS = ("markov", "gated", "rnn", "none")
 
@@ -384,11 +384,15 @@ def sample_block(drafter: Drafter, h: jax.Array, anchors: jax.Array, keys: jax.A
             bias, conf = None, None
         logits = base_k if bias is None else base_k + bias.astype(jnp.float32)
         probs = jax.nn.softmax(logits / jnp.where(greedy, 1.0, t), axis=-1)
-        top = jnp.argmax(logits, axis=-1)
+        top = first_argmax(logits)  # [R]
         probs = jnp.where(greedy, jax.nn.one_hot(top, logits.shape[-1], dtype=jnp.float32), probs)
-        logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-        drawn = jax.vmap(jax.random.categorical)(key_k, logp)
-        idx = jnp.where(greedy[:, 0], top, drawn).astype(jnp.int32)
+
+        def draw():  # only where some row samples: the draw costs more than the rest of the step
+            logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
+            drawn = jax.vmap(jax.random.categorical)(key_k, logp)
+            return jnp.where(greedy[:, 0], top, drawn).astype(jnp.int32)
+
+        idx = lax.cond(jnp.all(greedy), lambda: top.astype(jnp.int32), draw)
         token = drafter.vocab_ids[...][idx]
         if conf is None:
             conf = proxy_confidence_logit(logits)
