@@ -280,7 +280,8 @@ def engine_state_axes(state: EngineState):
 
     return EngineState(
         cache=kv_cache_axes(), dcache=None if state.dcache is None else drafter_cache_axes(),
-        anchor=Axes("slots"), active=Axes("slots"), request=Axes("slots"), generated=Axes("slots"),
+        anchor=Axes("slots"), active=Axes("slots"), request=Axes("slots"), seed=Axes("slots"),
+        temperature=Axes("slots"), top_p=Axes("slots"), generated=Axes("slots"),
         max_new=Axes("slots"), conf_hist=Axes(None, "slots", None),
         gate=gate.GateState(survival=Axes("slots", None), global_survival=Axes(None), accept_seen=Axes(None),
                             skipped=Axes()))

@@ -57,7 +57,7 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
     from tests.helpers import save_random_drafter, small_real_vocab_target
 
     small = small_real_vocab_target(target)
-    monkeypatch.setattr(bench_serving, "load_target", lambda model=None, dtype=None: small)
+    monkeypatch.setattr(bench_serving, "load_target", lambda model=None, dtype=None, mesh=None: small)
     save_random_drafter(small.cfg, tmp_path / "drafter", block=7)
     out = tmp_path / "serving.json"
     bench_serving.main([
@@ -126,7 +126,7 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
     assert json.loads(out.read_text())["rows"] == report["rows"]
     assert sorted(p.name for p in (tmp_path / "again").glob("*.png")) == sorted(
         p.name for p in (tmp_path / "fig").glob("*.png"))
-    monkeypatch.setattr(bench_serving, "load_target", lambda model=None, dtype=None: small)
+    monkeypatch.setattr(bench_serving, "load_target", lambda model=None, dtype=None, mesh=None: small)
     with pytest.raises(ValueError, match="--recompute needs --json"):
         bench_serving.main(["--recompute"])
 
