@@ -13,7 +13,8 @@ every round. A round runs as two jitted programs with static shapes:
 
 Between the two the host reads one scalar, the batch size B, to pick the token bucket T (the shape of the
 second program); everything else stays on the device. With the ``dspark`` policies the second program also
-decides whether drafting will pay in the next round for the same requests (the drafter gate); when it will
+decides whether drafting will pay in the next round for the same requests (the drafter gate, `dspark_jax.gate`:
+the engine only calls its pure functions and keeps its state); when it will
 not and nobody joined, the next round skips the first program and its host read: a plain round of a
 drafting engine costs a plain round plus the drafter's context update. Where the gate's estimate stays below
 its bar long enough at a load, the drafter is switched off there (``EngineConfig.drafter_off_after``): the
@@ -54,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import calibration, scheduler, verify
+from dspark_jax import calibration, gate, scheduler, verify
 from dspark_jax.sps import SPSTable, context_window, default_sps_table, plain_sps_from_cost, sps_from_cost
 from dspark_jax.timing import compile_count
 from dspark_jax.models import drafter as dr
@@ -70,7 +71,7 @@ from dspark_jax.models.llama import (
 )
 
 __all__ = ["Policy", "parse_policy", "POLICY_NAMES", "EngineConfig", "Engine", "RoundStats", "Completion",
-           "SamplingParams", "engine_state_axes"]
+           "SamplingParams", "engine_state_axes", "policy_lengths"]
 
 POLICY_NAMES = ("none", "fixed:K", "threshold:C", "dspark", "dspark-async")
 
@@ -127,16 +128,10 @@ def parse_policy(text: str) -> Policy:
                      f"(K an integer >= 0, C a number in [0, 1])")
 
 
-GATE_EMA = 0.2  # weight of the newest drafted round in the per-request survival average the drafter gate reads
-GLOBAL_EMA = 0.3  # weight of the newest round in the engine-wide average (a new request's starting point)
-ACCEPT_DECAY = 0.98  # per drafted round: decay of the accepted-vs-predicted sums (memory ~50 rounds)
-ACCEPT_PRIOR = 4.0  # drafts: pseudo-count both sums start from (ratio 1 until the engine has seen some)
-TIME_EMA = 0.1  # weight of the newest round in the measured correction of the cost model's round times
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Static settings of an `Engine`: slots, cache capacity per slot, sampling, and the drafter gate.
+    """Static settings of an `Engine`: slots, cache capacity per slot, sampling, and the drafter gate
+    (its fields validated here, through `gate.GateConfig`, which `gate_config` returns).
 
     >>> EngineConfig(num_slots=4, capacity=512, temperature=0.7).num_slots
     4
@@ -172,16 +167,8 @@ class EngineConfig:
     # each losing). The output stays lossless either way; with it, which rounds draft depends on timings, so
     # sampled tokens (not their law) can differ between runs of the same seed: False for reproducible samples.
     calibrate_times: bool = True
-    # The dspark policies, above a load where drafting never pays on the hardware (as vLLM's "disable
-    # speculation by batch size"): a request that joins with more than this many requests active (itself and
-    # those joining with it included) is admitted without the drafter's context (the K/V its prompt and tokens
-    # would give the drafter are never computed). While no active request has a context, the rounds run plain
-    # decoding's own programs (what `none` runs: nothing of the drafter); while some have one and some not,
-    # the drafter waits (gate closed, contexts still written) until those without one finish. None: every
-    # request keeps its context and the gate decides every round (the default; README, Engine).
-    drafter_off_above: int | None = None
-    # The dspark policies learn the same cut-off from the gate: once the gate's estimate has stayed below its
-    # bar (drafting not expected to pay by `1 + gate_margin`; probes aside) for this many consecutive
+    # The dspark policies learn where drafting never pays on this hardware: once the gate's estimate has
+    # stayed below its bar (drafting not expected to pay by `1 + gate_margin`; probes aside) for this many consecutive
     # request-rounds at one load (row bucket: 1, 2, 3-4, 5-8, ... active requests), the drafter is switched
     # off at that load: the active requests drop their context (the rounds become plain decoding's own
     # programs at once) and requests joining at that load are admitted without one. Evidence is counted in
@@ -200,6 +187,29 @@ class EngineConfig:
     # Attention windows over the caches: "step" = multiples of 128 (reads little beyond the context held),
     # "pow2" = powers of two (fewer shapes to compile). SPS cost models record the rule they were profiled with.
     window_rule: str = "step"
+
+    def __post_init__(self):
+        try:
+            self.gate_config()
+        except ValueError as err:  # name the field the caller set
+            field, _, rest = str(err).partition(":")
+            names = {g: e for e, g in _GATE_FIELDS.items()}
+            raise ValueError(f"{names.get(field, field)}:{rest}") from None
+
+    def gate_config(self) -> gate.GateConfig:
+        """The drafter gate's settings (`gate.GateConfig`) from these fields.
+
+        >>> EngineConfig(gate_margin=0.1).gate_config().margin
+        0.1
+        """
+        return gate.GateConfig(**{g: getattr(self, e) for e, g in _GATE_FIELDS.items()})
+
+
+_GATE_FIELDS = {  # EngineConfig field -> gate.GateConfig field
+    "gate_probe_every": "probe_every", "gate_probe_budget": "probe_budget", "gate_margin": "margin",
+    "fill_buckets": "fill", "drafter_off_after": "off_after", "drafter_off_retry": "off_retry",
+    "calibrate_times": "calibrate_times",
+}
 
 
 SEEDED_KEY_ID = -1  # the key id of a request with its own seed (request ids are >= 0, so streams never meet)
@@ -258,11 +268,7 @@ class EngineState:
     generated: jax.Array  # int32 [S] tokens emitted so far
     max_new: jax.Array  # int32 [S]
     conf_hist: jax.Array  # float32 [2, S, G] calibrated confidences of the last two rounds (0 = latest)
-    conf_ema: jax.Array  # float32 [S, G] per-request average survival (cumulative product of calibrated
-    #                      confidences) per position over drafted rounds: the gate's estimate
-    skipped: jax.Array  # int32 [] consecutive rounds that skipped the drafter
-    conf_global: jax.Array  # float32 [G] engine-wide average survival per position (a new request's start)
-    accept_seen: jax.Array  # float32 [2] decayed sums over drafted rounds of (predicted, accepted) drafts
+    gate: gate.GateState  # the drafter gate's survival averages, acceptance sums and skip counter
 
     def replace(self, **kw) -> "EngineState":
         return dataclasses.replace(self, **kw)
@@ -276,8 +282,9 @@ def engine_state_axes(state: EngineState):
         cache=kv_cache_axes(), dcache=None if state.dcache is None else drafter_cache_axes(),
         anchor=Axes("slots"), active=Axes("slots"), request=Axes("slots"), seed=Axes("slots"),
         temperature=Axes("slots"), top_p=Axes("slots"), generated=Axes("slots"),
-        max_new=Axes("slots"), conf_hist=Axes(None, "slots", None), conf_ema=Axes("slots", None),
-        skipped=Axes(), conf_global=Axes(None), accept_seen=Axes(None))
+        max_new=Axes("slots"), conf_hist=Axes(None, "slots", None),
+        gate=gate.GateState(survival=Axes("slots", None), global_survival=Axes(None), accept_seen=Axes(None),
+                            skipped=Axes()))
 
 
 class DraftOut(NamedTuple):
@@ -412,6 +419,7 @@ class Engine:
 
             target = LlamaModel(target.cfg, place_target_weights(target.weights, target.cfg, mesh), target.tokenizer)
         self.target, self.cfg = target, config
+        self.gate_cfg = config.gate_config()
         self.policy = parse_policy(policy) if isinstance(policy, str) else policy
         if self.policy.drafts and drafter is None:
             raise ValueError(f"policy {self.policy} needs a drafter; only 'none' runs without one")
@@ -452,23 +460,6 @@ class Engine:
             self.draft_vocab = None if self.drafter.cfg.draft_vocab == target.cfg.vocab_size else self.drafter.vocab_ids[...]
         if config.window_rule not in ("step", "pow2"):
             raise ValueError(f"window_rule: expected 'step' or 'pow2', got {config.window_rule!r}")
-        if config.gate_probe_every < 1:
-            raise ValueError(f"gate_probe_every: expected an integer >= 1, got {config.gate_probe_every}")
-        if not (np.isfinite(config.gate_margin) and config.gate_margin >= 0):
-            raise ValueError(f"gate_margin: expected a finite share >= 0, got {config.gate_margin}")
-        if config.drafter_off_above is not None and not (isinstance(config.drafter_off_above, (int, np.integer))
-                                                          and config.drafter_off_above >= 1):
-            raise ValueError(f"drafter_off_above: expected None or a number of requests >= 1, got "
-                             f"{config.drafter_off_above!r}")
-        if config.drafter_off_after is not None and not (isinstance(config.drafter_off_after, (int, np.integer))
-                                                          and config.drafter_off_after >= 1):
-            raise ValueError(f"drafter_off_after: expected None or a number of request-rounds >= 1, got "
-                             f"{config.drafter_off_after!r}")
-        if not (isinstance(config.drafter_off_retry, (int, np.integer)) and config.drafter_off_retry >= 1):
-            raise ValueError(f"drafter_off_retry: expected an integer >= 1, got {config.drafter_off_retry!r}")
-        if not config.gate_probe_budget > 0:
-            raise ValueError(f"gate_probe_budget: expected a share > 0 (inf: probe every gate_probe_every "
-                             f"rounds), got {config.gate_probe_budget}")
         self.cost = None
         if self.policy.kind in ("dspark", "dspark-async"):
             if sps is None:
@@ -511,15 +502,10 @@ class Engine:
         self.finished_ids: list[int] = []  # in the order requests finished
         self.record_confidences = False
         self.record_tokens = False  # RoundStats also hold request ids, drafted and emitted tokens (a trace)
-        self._gate_probe = config.gate_probe_every if self.cost is not None else 0  # cost: dspark policies only
         self._gate_closed = False  # the last round found that the drafter would not pay next round
-        # Learned cut-off (drafter_off_after): per row bucket, request-rounds of consecutive gate estimates
-        # below the bar, and the buckets where the drafter is off (rounds run there since).
-        self._learns_off = self.cost is not None and config.drafter_off_after is not None
-        self._below_bar: dict[int, int] = {}
-        self._off_at: dict[int, int] = {}
-        self._may_drop_context = self.policy.kind in ("dspark", "dspark-async") and (
-            config.drafter_off_above is not None or self._learns_off)
+        # Learned cut-off (drafter_off_after, dspark policies with a cost model only): `gate.CutOff`.
+        self._may_drop_context = self.cost is not None and config.drafter_off_after is not None
+        self.cutoff = gate.CutOff()
         self._no_conf: dict[int, tuple[jax.Array, jax.Array]] = {}
         self.reset_time_scale()
         self.on_token: Callable[[int, int], None] | None = None
@@ -536,8 +522,8 @@ class Engine:
             value = jax.device_put(value, self._state_shardings)
         self._state = value
 
-    def _prior_survival(self) -> jax.Array:
-        return jnp.cumprod(jnp.full((self.G,), self.cfg.prior_confidence, jnp.float32))
+    def _init_gate(self) -> gate.GateState:
+        return gate.init(self.gate_cfg, self.cfg.num_slots, self.G, self.cfg.prior_confidence)
 
     def _init_state(self) -> EngineState:
         c, S = self.cfg, self.cfg.num_slots
@@ -548,9 +534,7 @@ class Engine:
             request=jnp.zeros(S, jnp.int32), generated=jnp.zeros(S, jnp.int32), max_new=jnp.zeros(S, jnp.int32),
             seed=jnp.full(S, c.seed, jnp.int32), temperature=jnp.full(S, c.temperature, jnp.float32),
             top_p=jnp.ones(S, jnp.float32),
-            conf_hist=jnp.full((2, S, self.G), c.prior_confidence, jnp.float32),
-            conf_ema=jnp.broadcast_to(self._prior_survival(), (S, self.G)), skipped=jnp.int32(0),
-            conf_global=self._prior_survival(), accept_seen=jnp.full((2,), ACCEPT_PRIOR, jnp.float32),
+            conf_hist=jnp.full((2, S, self.G), c.prior_confidence, jnp.float32), gate=self._init_gate(),
         )
 
     # ------------------------------------------------------------------------------------------------ requests
@@ -661,38 +645,14 @@ class Engine:
         return emitted
 
     def _admission_context(self, load: int) -> bool:
-        """Whether a request joining now gets the drafter's context (``drafter_off_above``), at the ``load``
-        (active requests) it will decode with: those active and those joining with it."""
+        """Whether a request joining now gets the drafter's context: not where the learned cut-off
+        (``drafter_off_after``) has the drafter off at the ``load`` (active requests) it will decode with:
+        those active and those joining with it."""
         if self.drafter is None:
             return False
         if not self._may_drop_context:  # fixed and threshold policies always draft
             return True
-        if self.cfg.drafter_off_above is not None and load > self.cfg.drafter_off_above:
-            return False
-        return _pow2(load, self.cfg.num_slots) not in self._off_at
-
-    def _learn_off(self, R: int, n: int, left: int, gain: float, drafting: bool) -> None:
-        """After a round of ``n`` active requests (row bucket ``R``), ``left`` of them still active: count the
-        gate's estimate ``gain`` for them (nan when the gate did not look) towards switching the drafter off
-        at this load, or count the rounds it has been off there towards trying it again
-        (``drafter_off_after``, ``drafter_off_retry``)."""
-        if R in self._off_at:
-            if not drafting:
-                self._off_at[R] += 1
-                if self._off_at[R] >= self.cfg.drafter_off_retry:
-                    del self._off_at[R]  # requests joining at this load get the context again
-                    self._below_bar.pop(R, None)
-            return
-        if not np.isfinite(gain) or left == 0:  # the gate did not look, or looked at nobody
-            return
-        if gain > 1.0 + self.cfg.gate_margin:
-            self._below_bar[R] = 0
-            return
-        self._below_bar[R] = self._below_bar.get(R, 0) + n
-        if self._below_bar[R] >= self.cfg.drafter_off_after:
-            self._off_at[R] = 0
-            self.slot_context[:] = False  # the active requests drop theirs: plain decoding's programs from now
-            self.drafter_offs.append((len(self.rounds), R))
+        return not gate.drafter_off(self.cutoff, _pow2(load, self.cfg.num_slots))
 
     def _row_sampling(self, rid: int, sampling: SamplingParams) -> tuple[float, float, int, int]:
         """(temperature, top-p, seed, key id) of a request's slot."""
@@ -766,9 +726,7 @@ class Engine:
                                                 self.head_w, self.temps, self.sps, self.cost, scale,
                                                 self._policy_value, capacity=cap, R=R,
                                                 policy=self._policy_kind,
-                                                greedy=greedy, probe_every=self.cfg.gate_probe_every,
-                                                probe_budget=self.cfg.gate_probe_budget, context=w,
-                                                fill=self.cfg.fill_buckets, margin=self.cfg.gate_margin)
+                                                greedy=greedy, gate_cfg=self.gate_cfg, context=w)
                 else:
                     d = None
                 self._round_conf(None, R)  # the arrays a round that skips the draft program passes
@@ -787,18 +745,16 @@ class Engine:
                             drafted_arr if ctx else None, self.d_graph if ctx else None, self.d_state if ctx else None,
                             self.draft_vocab if ctx else None, jnp.asarray(self.stop_ids),
                             cfg=self.target.cfg, R=R, T=T, G=G, window=w, greedy=greedy,
-                            drafting=ctx, per_slot=per_slot)
+                            drafting=ctx, per_slot=per_slot, gate_cfg=self.gate_cfg)
                         shapes += 1
                 if self.cost is not None:
                     _after_round(self.cost, scale, self.state, jnp.int32(R), jnp.int32(0), jnp.int32(R), drafted_arr, R=R,
-                                 probe_every=self._gate_probe, probe_budget=self.cfg.gate_probe_budget,
-                                 fill=self.cfg.fill_buckets, margin=self.cfg.gate_margin)
+                                 gate_cfg=self.gate_cfg)
                 if R >= S:
                     break
                 R = min(2 * R, S)
         # The drafter gate's state starts afresh (warm-up rounds had no requests).
-        self.state = self.state.replace(skipped=jnp.int32(0), conf_global=self._prior_survival(),
-                                        accept_seen=jnp.full((2,), ACCEPT_PRIOR, jnp.float32))
+        self.state = self.state.replace(gate=self._init_gate())
         self._gate_closed = False
         jax.block_until_ready(self.state)
         return shapes
@@ -834,9 +790,8 @@ class Engine:
             d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed, self.head_w,
                                     self.temps, self.sps, self.cost, scale, self._policy_value,
                                     capacity=self.cfg.capacity, R=R, policy=self._policy_kind, greedy=greedy,
-                                    probe_every=self.cfg.gate_probe_every, probe_budget=self.cfg.gate_probe_budget,
-                                    context=_window(longest, self.cfg.capacity, self.cfg.window_rule),
-                                    fill=self.cfg.fill_buckets, margin=self.cfg.gate_margin)
+                                    gate_cfg=self.gate_cfg,
+                                    context=_window(longest, self.cfg.capacity, self.cfg.window_rule))
             B = int(d.batch_tokens)  # the one value the host needs: it picks the token bucket
         else:
             d, B = None, n
@@ -847,17 +802,19 @@ class Engine:
             self.d_graph if drafting else None, self.d_state if drafting else None,
             self.draft_vocab if drafting else None, jnp.asarray(self.stop_ids),
             cfg=self.target.cfg, R=R, T=T, G=G, window=window, greedy=greedy,
-            drafting=drafting, per_slot=G + 1 if B > n else 1)
+            drafting=drafting, per_slot=G + 1 if B > n else 1, gate_cfg=self.gate_cfg)
         after = (jnp.float32(np.nan), jnp.bool_(True), jnp.float32(np.nan))
         if self.cost is not None and can_draft:
             after = _after_round(self.cost, scale, self.state, jnp.int32(n), jnp.int32(longest), jnp.int32(B),
-                                 drafted_arr, R=R, probe_every=self._gate_probe,
-                                 probe_budget=self.cfg.gate_probe_budget, fill=self.cfg.fill_buckets,
-                                 margin=self.cfg.gate_margin)
+                                 drafted_arr, R=R, gate_cfg=self.gate_cfg)
         (emitted, counts, finished, accepted, new_len), (predicted, next_gate, gain) = _to_host((out, after))
         self._gate_closed = not bool(next_gate)
-        if self._learns_off:
-            self._learn_off(R, n, n - int(np.sum(finished[:n])), float(gain), drafting)
+        if self._may_drop_context:
+            self.cutoff, off = gate.cutoff_update(self.cutoff, self.gate_cfg, R, n, n - int(np.sum(finished[:n])),
+                                                  float(gain), drafting)
+            if off:  # the active requests drop their context: plain decoding's programs from the next round
+                self.slot_context[:] = False
+                self.drafter_offs.append((len(self.rounds), R))
         drafted = bool(d.drafted) if d is not None else False
         if compile_count() == compiles:
             self._observe_round(drafted, time.perf_counter() - t_round, float(predicted))
@@ -909,45 +866,29 @@ class Engine:
         return self._no_conf[R]
 
     def _observe_round(self, drafted: bool, seconds: float, predicted: float) -> None:
-        """Fold a round's measured time into the correction of the cost model (``calibrate_times``).
+        """Fold a round's measured time into the correction of the cost model (`gate.observe_round`)."""
+        self.round_times = gate.observe_round(self.round_times, self.gate_cfg, drafted, seconds, predicted)
 
-        Two factors, both running means of logs (the table counting as one observation, then exponential):
-        the host's, measured / predicted for plain rounds (what other processes, clocks and the host's share
-        of a round do to every round), and the drafting rounds' excess over it, measured / predicted for a
-        drafting round divided by the host factor of the moment. Host drift thus moves both kinds of round
-        together, including while the gate is closed and only rare probes draft, and the drafting excess
-        (what the table got wrong about the drafter against plain decoding on this machine) is learned from
-        those probes without the drift between them. A drafting round also updates the host factor, through
-        its excess, so a gate that stays open keeps following the host. The scheduler's choice of lengths is
-        unchanged (a constant factor); the gate reads both."""
-        if not self.cfg.calibrate_times or not np.isfinite(predicted) or predicted <= 0 or seconds <= 0:
-            return
-        x = float(np.clip(np.log(seconds / predicted), -2.0, 2.0))
-        if drafted:
-            self._time_obs[0] += 1
-            w = max(TIME_EMA, 1.0 / (self._time_obs[0] + 1))
-            self._log_excess = (1 - w) * self._log_excess + w * float(np.clip(x - self._log_host, -2.0, 2.0))
-            x = x - self._log_excess  # what the host factor would have been for a plain round
-        self._time_obs[1] += 1
-        w = max(TIME_EMA, 1.0 / (self._time_obs[1] + 1))
-        self._log_host = (1 - w) * self._log_host + w * x
-        self._time_scale_dev = jnp.asarray(self.time_scale, jnp.float32)
+    @property
+    def round_times(self) -> gate.RoundTimes:
+        """The measured correction of the cost model's round times the gate reads (`gate.RoundTimes`;
+        learned with ``calibrate_times``, settable: a correction learned elsewhere)."""
+        return self._round_times
+
+    @round_times.setter
+    def round_times(self, value: gate.RoundTimes) -> None:
+        self._round_times = value
+        self._time_scale_dev = jnp.asarray(gate.time_scale(value), jnp.float32)  # what the programs read
 
     def reset_time_scale(self) -> None:
         """Forget the measured corrections of the cost model (trust the table again)."""
-        self._log_host = 0.0
-        self._log_excess = 0.0
-        self._time_obs = [0, 0]  # drafting rounds, all rounds
-        self._time_scale_dev = jnp.ones((2,), jnp.float32)  # what the programs read
+        self.round_times = gate.RoundTimes()
 
     @property
     def time_scale(self) -> tuple[float, float]:
         """Measured / predicted round time, (drafting rounds, plain rounds): (host x drafting excess, host);
-        (1, 1) until rounds are seen. Until a drafting round has been measured, the excess is 1 (drafting
-        rounds take the plain rounds' factor: what slows one kind of round on a shared machine slows the
-        other)."""
-        host = float(np.exp(self._log_host))
-        return (float(np.exp(self._log_host + self._log_excess)), host)
+        (1, 1) until rounds are seen (`gate.time_scale`)."""
+        return gate.time_scale(self.round_times)
 
     def idle(self) -> bool:
         return not self.pending and not (self.slot_request >= 0).any()
@@ -1047,16 +988,9 @@ def _admit_slot(state, slot, request, first, max_new, live, seed, temperature, t
         top_p=state.top_p.at[slot].set(top_p),
         generated=state.generated.at[slot].set(1),
         max_new=state.max_new.at[slot].set(max_new),
-        conf_hist=state.conf_hist.at[:, slot].set(_conditional(state.conf_global)),
-        conf_ema=state.conf_ema.at[slot].set(state.conf_global),
+        conf_hist=state.conf_hist.at[:, slot].set(gate.conditional(state.gate.global_survival)),
+        gate=gate.admit(state.gate, slot),
     )
-
-
-def _conditional(survival):
-    """Per-position confidences whose running product is ``survival`` [..., G] (non-increasing in the last
-    axis): ``c_k = S_k / S_{k-1}``, 0 after a zero survival."""
-    prev = jnp.concatenate([jnp.ones_like(survival[..., :1]), survival[..., :-1]], axis=-1)
-    return jnp.where(prev > 0, survival / jnp.where(prev > 0, prev, 1.0), 0.0)
 
 
 def _device_rows(active, R):
@@ -1065,9 +999,22 @@ def _device_rows(active, R):
     return rows, active[rows]
 
 
-def _policy_lengths(policy: Policy, value, conf, hist, sps, row_valid, G):
-    """Verification lengths [R] from calibrated confidences [R, G] (before caps); ``value`` is the policy's
-    number (K or C, traced)."""
+def policy_lengths(policy: Policy, value, conf, hist, sps, row_valid, G: int):
+    """A drafting policy's verification lengths, before the caps the engine adds (budget, capacity).
+
+    Args:
+      policy: a drafting `Policy` (static by its kind).
+      value: float32 [] the policy's number (K of ``fixed:K``, C of ``threshold:C``; traced).
+      conf: float32 [R, G] calibrated per-token confidences of this round's drafts.
+      hist: float32 [R, G] the confidences of two rounds earlier (``dspark-async``'s capacity).
+      sps: float32 [N] steps/s by batch tokens; row_valid: bool [R] rows holding a request; G: the block.
+    Returns:
+      int32 [R] drafts to verify per row.
+
+    >>> policy_lengths(parse_policy("threshold:0.5"), jnp.float32(0.5), jnp.array([[0.9, 0.4, 0.9]]),
+    ...                jnp.ones((1, 3)), jnp.ones(8), jnp.array([True]), 3).tolist()
+    [1]
+    """
     if policy.kind == "fixed":
         return jnp.full(row_valid.shape, jnp.minimum(jnp.round(value).astype(jnp.int32), G), jnp.int32)
     if policy.kind == "threshold":
@@ -1080,77 +1027,28 @@ def _policy_lengths(policy: Policy, value, conf, hist, sps, row_valid, G):
     raise ValueError(f"policy {policy} does not draft")
 
 
-@functools.partial(jax.jit, static_argnames=("R", "probe_every", "probe_budget", "fill", "margin"))
+@functools.partial(jax.jit, static_argnames=("R", "gate_cfg"))
 def _after_round(cost, time_scale, state: EngineState, n_active, longest, batch_tokens, drafted, *,
-                 R: int, probe_every: int, probe_budget: float, fill: bool = True, margin: float = 0.0):
+                 R: int, gate_cfg: gate.GateConfig):
     """After a round, on the committed state: the cost model's time for the round that just ran (drafting
     or plain, with ``n_active`` requests whose longest held ``longest`` tokens; the host compares it with the
-    measured time) and the drafter gate of the next round for
-    the requests still active (so the host can skip the draft program). One small program per row bucket,
-    kept out of the verify programs, which compile once per (R, T, window)."""
+    measured time) and the drafter gate of the next round for the requests still active (`gate.decide`, so
+    the host can skip the draft program). One small program per row bucket, kept out of the verify programs,
+    which compile once per (R, T, window)."""
     n_active = jnp.maximum(n_active, 1)
     sps = sps_from_cost(cost, n_active, longest)
     predicted = jnp.where(drafted, 1.0 / sps[jnp.clip(scheduler.padded_batch(batch_tokens, BUCKETS), 0,
                                                       sps.shape[0] - 1)],
                           1.0 / plain_sps_from_cost(cost, n_active, longest)).astype(jnp.float32)
-    gate, gain = jnp.bool_(True), jnp.float32(jnp.nan)
-    if probe_every > 0:
-        gate, _, gain = _drafting_pays(cost, state, *_device_rows(state.active, R), time_scale, probe_every,
-                                       probe_budget, fill, margin)
-    return predicted, gate, gain
+    rows, row_valid = _device_rows(state.active, R)
+    opens, _, gain = gate.decide(state.gate, gate_cfg, cost, rows, row_valid, state.cache.lengths[rows], time_scale)
+    return predicted, opens, gain
 
 
-def _drafting_pays(cost, state: EngineState, rows, row_valid, time_scale, probe_every: int, probe_budget: float,
-                   fill: bool, margin: float):
-    """The drafter gate: expected tokens/s of the schedule on each request's average survival per position
-    over its earlier drafted rounds (known before this round's drafts exist, so the decision cannot bias
-    them), with the drafter's cost, against plain decoding without it. The drafting round is priced at the
-    padded batch the engine would run (with ``fill``, the schedule filled to it), and must promise
-    ``1 + margin`` times plain decoding's throughput.
-
-    The expected accepted drafts are scaled by what verification accepted per predicted draft in the
-    engine's recent drafted rounds (``accept_seen``): calibrated on held-out prompts, the confidences can
-    still run high or low on the prompts being served, and the gate decides on their sum.
-
-    Averages move only in drafted rounds, so a closed gate would keep an estimate that one unlucky stretch
-    pushed down: it probes (drafts anyway) after ``probe_every`` skipped rounds, and after as many more as
-    keep the probes' expected loss under ``probe_budget`` of the time. A probe's expected loss, in plain
-    rounds, is the drafting round's time over a plain round's times the share of throughput it is expected
-    to lose, with the expected gain discounted by the margin (the same distrust of the estimates that keeps
-    the gate closed below ``1 + margin``): ``(t_draft / t_plain) * (1 + margin - expected / plain)``. Small
-    near the bar (probe often, where the decision is uncertain), most of a costly round at high load (probe
-    rarely).
-    Round times are the cost model's, times the engine's measured corrections ``time_scale`` [2] (drafting
-    round, plain round). Returns the decision, the cost model's steps/s curve [N] for the rows' requests
-    and longest context (what the schedule reads) and the estimate's gain over plain decoding (what the
-    learned cut-off, ``EngineConfig.drafter_off_after``, counts)."""
-    n_active = jnp.sum(row_valid, dtype=jnp.int32)
-    longest = jnp.max(jnp.where(row_valid, state.cache.lengths[rows], 0))
-    sps = sps_from_cost(cost, jnp.maximum(n_active, 1), longest)
-    plain_round = time_scale[1] / plain_sps_from_cost(cost, jnp.maximum(n_active, 1), longest)  # seconds
-    plain = n_active.astype(jnp.float32) / plain_round
-    conf = _conditional(state.conf_ema[rows])  # the schedule of the average survival
-    lengths = scheduler.schedule(conf, sps, active=row_valid).lengths
-    if fill:
-        lengths = scheduler.fill_to_bucket(conf, lengths, BUCKETS, active=row_valid)
-    padded = scheduler.padded_batch(n_active + jnp.sum(lengths), BUCKETS)
-    draft_round = time_scale[0] / sps[jnp.clip(padded, 0, sps.shape[0] - 1)]
-    drafts = scheduler.expected_tokens(conf, lengths, active=row_valid) - n_active  # expected accepted drafts
-    realised = state.accept_seen[1] / state.accept_seen[0]  # what verification accepted per predicted draft
-    expected = (n_active + realised * drafts) / draft_round
-    gain = expected / jnp.maximum(plain, 1e-30)
-    # a probe's expected loss, in plain rounds, its gain discounted by the margin (the estimates' distrust)
-    loss = draft_round / plain_round * jnp.maximum(1.0 + margin - gain, 0.0)
-    wait = jnp.maximum(probe_every, jnp.ceil(loss / probe_budget))
-    return (gain > 1.0 + margin) | (state.skipped >= wait), sps, gain.astype(jnp.float32)
-
-
-@functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "capacity", "probe_every",
-                                             "probe_budget", "fill", "margin"))
+@functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "capacity", "gate_cfg"))
 def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, time_scale,
                         policy_value, *, capacity: int, R: int, policy: Policy, greedy: bool, context: int,
-                        probe_every: int = 2, probe_budget: float = 0.02, fill: bool = True,
-                        margin: float = 0.0) -> DraftOut:
+                        gate_cfg: gate.GateConfig) -> DraftOut:
     """Draft a block for the first R rows, compute calibrated confidences, apply the policy.
 
     ``policy`` is static by its kind only; its number (K of ``fixed:K``, C of ``threshold:C``) is the traced
@@ -1158,7 +1056,7 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     else each row drafts at its own temperature (one-hot at 0).
 
     With a cost model, the ``dspark`` policies first decide whether drafting pays at all this round
-    (:func:`_drafting_pays`, from each request's survival averages over its earlier drafted rounds, which
+    (`gate.decide`, from each request's survival averages over its earlier drafted rounds, which
     cannot depend on this round's drafts). A busy engine whose drafts would not pay for the drafter skips it
     (a `lax.cond`), drafting now and then to refresh the averages.
     """
@@ -1167,10 +1065,9 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     W = head_w.shape[1]
     rows, row_valid = _device_rows(state.active, R)
     ctx_len = state.cache.lengths[rows]
-    gate = jnp.bool_(True)
+    opens = jnp.bool_(True)
     if cost is not None:  # (dspark policies) this round's curve: draft(R, L) + verify(R, B, L), and the gate
-        gate, sps, _ = _drafting_pays(cost, state, rows, row_valid, time_scale, probe_every, probe_budget, fill,
-                                      margin)
+        opens, sps, _ = gate.decide(state.gate, gate_cfg, cost, rows, row_valid, ctx_len, time_scale)
 
     def run_drafter():
         keys = _key(state.seed[rows], 1, state.request[rows], ctx_len)
@@ -1181,25 +1078,27 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     def skip():
         return (jnp.zeros((R, G), jnp.int32), jnp.zeros((R, G, W), jnp.float32), jnp.zeros((R, G), jnp.float32))
 
-    tokens, probs, conf_logits = jax.lax.cond(gate, run_drafter, skip)
+    tokens, probs, conf_logits = jax.lax.cond(opens, run_drafter, skip)
     conf = calibration.apply_sts(conf_logits, temps)  # [R, G]
     hist = state.conf_hist[1][rows]
-    lengths = jnp.where(row_valid & gate, _policy_lengths(policy, policy_value, conf, hist, sps, row_valid, G), 0)
-    if fill and policy.kind in ("dspark", "dspark-async"):  # the padded batch's free room (lossless)
-        lengths = scheduler.fill_to_bucket(conf, lengths, BUCKETS, active=row_valid & gate)
+    lengths = jnp.where(row_valid & opens, policy_lengths(policy, policy_value, conf, hist, sps, row_valid, G), 0)
+    if gate_cfg.fill and policy.kind in ("dspark", "dspark-async"):  # the padded batch's free room (lossless)
+        lengths = scheduler.fill_to_bucket(conf, lengths, BUCKETS, active=row_valid & opens)
     # Caps that never look at the drafts: the request's remaining budget and the slot's capacity.
     remaining = state.max_new[rows] - state.generated[rows]
     lengths = jnp.clip(lengths, 0, jnp.minimum(remaining - 1, capacity - ctx_len - 1))
     lengths = jnp.where(row_valid, lengths, 0).astype(jnp.int32)
     batch = jnp.sum(jnp.where(row_valid, 1 + lengths, 0)).astype(jnp.int32)
-    return DraftOut(tokens, probs, conf, conf_logits, lengths, batch, gate)
+    return DraftOut(tokens, probs, conf, conf_logits, lengths, batch, opens)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "R", "T", "G", "window", "greedy", "drafting", "per_slot"),
+@functools.partial(jax.jit, static_argnames=("cfg", "R", "T", "G", "window", "greedy", "drafting", "per_slot",
+                                             "gate_cfg"),
                    donate_argnames=("state",))
 def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, drafted, graph, dstate, draft_vocab,
                        stop_ids, *, cfg, R: int, T: int, G: int, window: int,
-                       greedy: bool, drafting: bool, per_slot: int) -> tuple[EngineState, RoundOut]:
+                       greedy: bool, drafting: bool, per_slot: int,
+                       gate_cfg: gate.GateConfig) -> tuple[EngineState, RoundOut]:
     """Pack the scheduled tokens, verify them with one target pass, accept, commit, emit.
 
     ``drafting``: the engine has a drafter (its context cache is written for every committed token, drafted
@@ -1208,7 +1107,8 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, dr
     the most tokens a row verifies: ``G + 1`` with the drafts ``d``, or 1 with ``d = None`` for a round that
     scheduled no drafts (a plain round then costs what plain decoding costs; one program per shape).
     ``greedy``: every row is greedy (argmax acceptance); else each row accepts by its own rule: argmax at
-    temperature 0, `verify.speculative_accept` against ``top_p(softmax(logits / T))`` otherwise.
+    temperature 0, `verify.speculative_accept` against ``top_p(softmax(logits / T))`` otherwise. With
+    ``drafting``, the drafter gate's bookkeeping (`gate.update`, by ``gate_cfg``) follows the round.
     """
     rows, row_valid = _device_rows(state.active, R)
     ctx_len = state.cache.lengths[rows]  # [R] anchor positions
@@ -1269,27 +1169,13 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, dr
         drafter = nnx.merge(graph, dstate)
         dcache = dr.write_context(drafter, dcache, extras.taps, slots, positions, valid)
     write = jnp.where(row_valid, rows, state.anchor.shape[0])  # padding rows write nothing
-    hist, ema, skipped, glob = state.conf_hist, state.conf_ema, state.skipped, state.conf_global
-    accept_seen = state.accept_seen
-    if not drafting:
-        drafted = jnp.bool_(False)
-    else:  # a round that skipped the drafter keeps the history it decided on
+    hist, gate_state = state.conf_hist, state.gate
+    if drafting:  # a round that skipped the drafter keeps the history it decided on
         new = hist.at[1].set(hist[0]).at[0, write].set(conf, mode="drop")
         hist = jnp.where(drafted, new, hist)
-        surv = jnp.cumprod(conf, axis=1)
-        avg = ema.at[write].set(GATE_EMA * surv + (1 - GATE_EMA) * ema[rows], mode="drop")
-        ema = jnp.where(drafted, avg, ema)
-        mean = jnp.sum(jnp.where(row_valid[:, None], surv, 0), 0) / jnp.maximum(jnp.sum(row_valid), 1)
-        glob = jnp.where(drafted & jnp.any(row_valid), GLOBAL_EMA * mean + (1 - GLOBAL_EMA) * glob, glob)
-        skipped = jnp.where(drafted, 0, skipped + 1).astype(jnp.int32)
-        verified = jnp.arange(G)[None, :] < lengths[:, None]  # [R, G]
-        predicted = jnp.sum(jnp.where(verified & row_valid[:, None], surv, 0.0))
-        got = jnp.sum(jnp.where(row_valid, n_acc, 0)).astype(jnp.float32)
-        seen = ACCEPT_DECAY * state.accept_seen + jnp.stack([predicted, got])
-        accept_seen = jnp.where(drafted & (predicted > 0), seen, state.accept_seen)
+        gate_state = gate.update(gate_state, gate_cfg, rows, row_valid, conf, lengths, n_acc, drafted)
     new_state = state.replace(
-        cache=cache, dcache=dcache, conf_hist=hist, conf_ema=ema, skipped=skipped, conf_global=glob,
-        accept_seen=accept_seen,
+        cache=cache, dcache=dcache, conf_hist=hist, gate=gate_state,
         anchor=state.anchor.at[write].set(nxt, mode="drop"),
         generated=state.generated.at[write].add(counts, mode="drop"),
         active=state.active.at[write].set(~finished, mode="drop"),

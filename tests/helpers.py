@@ -38,3 +38,22 @@ def save_random_drafter(target_cfg, path, draft_vocab=512, **overrides):
                                    **overrides)
     save_drafter(Drafter(cfg, rngs=nnx.Rngs(0), vocab_ids=np.arange(draft_vocab)), path)
     return path
+
+
+def synthetic_cost_table(block=4, draft_cost=0.002):
+    """An SPS table with a cost model: steps get slower with rows, tokens and context."""
+    from dspark_jax.sps import CostModel, SPSMetadata, SPSTable, round_windows
+
+    contexts = (0, 200)
+    windows = [round_windows(L, block, 128, "step") for L in contexts]
+    rows, toks = (1, 2, 4), (8, 16, 32)
+    verify = tuple(tuple(tuple(0.01 * (1 + c) + 0.001 * r + 0.0005 * t for t in toks) for r in rows)
+                   for c in range(len(contexts)))
+    zeros3 = tuple(tuple(tuple(0.0 for _ in toks) for _ in rows) for _ in contexts)
+    draft = tuple(tuple(draft_cost * r for r in rows) for _ in contexts)
+    zeros2 = tuple(tuple(0.0 for _ in rows) for _ in contexts)
+    cm = CostModel(block=block, context_step=128, window_rule="step", context_lengths=contexts,
+                   windows=tuple(w[0] for w in windows), draft_windows=tuple(w[1] for w in windows), rows=rows,
+                   batch_tokens=toks, verify_s=verify, verify_spread_s=zeros3, draft_s=draft, draft_spread_s=zeros2)
+    points = SPSTable.from_arrays(toks, [1 / verify[0][-1][i] for i in range(3)]).points
+    return SPSTable(points, SPSMetadata(), cost_model=cm)

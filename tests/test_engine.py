@@ -1,6 +1,5 @@
 """The engine: lossless greedy and sampled decoding for every policy, continuous batching, no recompiles."""
 
-import dataclasses
 import itertools
 
 import jax
@@ -10,11 +9,11 @@ import pytest
 from flax import nnx
 
 from dspark_jax import engine as eng
-from dspark_jax import scheduler, verify
+from dspark_jax import gate, scheduler, verify
 from dspark_jax.decoding import plain_generate
 from dspark_jax.models import drafter as dr
 from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
-from tests.helpers import count_compilations
+from tests.helpers import count_compilations, synthetic_cost_table
 
 POLICIES = ["none", "fixed:3", "fixed:0", "threshold:0.3", "dspark", "dspark-async"]
 SPS = np.linspace(10.0, 1.0, 48).astype(np.float32)  # falls with the batch: the scheduler has a real trade-off
@@ -148,8 +147,8 @@ def test_appendix_a_through_the_policy_layer():
     hist = jnp.array([[0.8, 0.9]])
     for policy in ("dspark", "dspark-async", "threshold:0.85", "fixed:1"):
         pol = eng.parse_policy(policy)
-        law = first_token_law(lambda c: eng._policy_lengths(pol, jnp.float32(pol.value), c, hist, jnp.asarray(sps),
-                                                            valid, 2))
+        law = first_token_law(lambda c: eng.policy_lengths(pol, jnp.float32(pol.value), c, hist, jnp.asarray(sps),
+                                                           valid, 2))
         np.testing.assert_allclose(law, 0.7, atol=1e-6)
     unsafe = first_token_law(lambda c: scheduler.schedule(c, jnp.asarray(sps), stop="argmax").lengths)
     np.testing.assert_allclose(unsafe, 0.85, atol=1e-6)
@@ -209,25 +208,6 @@ def test_bad_input_is_rejected(model, drafter):
         e.submit([1, 2], 0)
     with pytest.raises(ValueError, match="sts_temperatures"):
         eng.Engine(model, drafter, "fixed:2", sts_temperatures=[1.0, 2.0])
-
-
-def synthetic_cost_table(block=4, draft_cost=0.002):
-    """An SPS table with a cost model: steps get slower with rows, tokens and context."""
-    from dspark_jax.sps import CostModel, SPSMetadata, SPSTable, round_windows
-
-    contexts = (0, 200)
-    windows = [round_windows(L, block, 128, "step") for L in contexts]
-    rows, toks = (1, 2, 4), (8, 16, 32)
-    verify = tuple(tuple(tuple(0.01 * (1 + c) + 0.001 * r + 0.0005 * t for t in toks) for r in rows)
-                   for c in range(len(contexts)))
-    zeros3 = tuple(tuple(tuple(0.0 for _ in toks) for _ in rows) for _ in contexts)
-    draft = tuple(tuple(draft_cost * r for r in rows) for _ in contexts)
-    zeros2 = tuple(tuple(0.0 for _ in rows) for _ in contexts)
-    cm = CostModel(block=block, context_step=128, window_rule="step", context_lengths=contexts,
-                   windows=tuple(w[0] for w in windows), draft_windows=tuple(w[1] for w in windows), rows=rows,
-                   batch_tokens=toks, verify_s=verify, verify_spread_s=zeros3, draft_s=draft, draft_spread_s=zeros2)
-    points = SPSTable.from_arrays(toks, [1 / verify[0][-1][i] for i in range(3)]).points
-    return SPSTable(points, SPSMetadata(), cost_model=cm)
 
 
 def test_cost_model_drives_the_schedule_without_recompiling(model, drafter):
@@ -324,47 +304,14 @@ def test_closed_gate_skips_the_draft_program(model, drafter, monkeypatch):
     assert not any(r.drafted for r in e.rounds)
 
 
-def test_above_drafter_off_load_the_rounds_are_plain_programs(model, drafter, monkeypatch):
-    """With drafter_off_above = 2, three requests joining together are admitted without the drafter's
-    context and their rounds are plain decoding's own programs (no context write, no draft or gate
-    program); by default (None) the context is kept and written every round. Output lossless either way."""
-    ps = prompts(5, seed=6)
-    ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
-    for off_above in (2, None):
-        cfg = eng.EngineConfig(num_slots=3, capacity=64, drafter_off_above=off_above)
-        e = eng.Engine(model, drafter, "dspark", cfg, sps=synthetic_cost_table(draft_cost=0.0), stop_ids=[])
-        if off_above:
-            e.warm_up(max_prompt_tokens=20)  # compiles plain decoding's programs too
-        verifies, drafts, prefill_ctx, gates = [], [], [], []
-        _spy(monkeypatch, "_verify_and_commit", verifies)
-        _spy(monkeypatch, "_draft_and_schedule", drafts)
-        _spy(monkeypatch, "_write_chunk_context", prefill_ctx)
-        _spy(monkeypatch, "_after_round", gates)
-        with count_compilations() as n:
-            assert [c.output_ids for c in e.run(ps, 10)] == [r.output_ids for r in ref]
-        assert n() == 0 or not off_above
-        monkeypatch.undo()
-        if off_above:  # 3 then 4 and 5 joining a load of 3 (or fewer, as the first leave: then with the context)
-            assert e.admissions["context"] + e.admissions["no_context"] == 5 and e.admissions["no_context"] >= 3
-            assert not any(r.drafted for r in e.rounds[:3])
-            assert all(not k["drafting"] for k in verifies[:3]) and len(drafts) < len(verifies)
-        else:
-            assert e.admissions == {"context": 5, "no_context": 0}
-            assert prefill_ctx and all(k["drafting"] for k in verifies) and gates
-            assert any(r.drafted for r in e.rounds)
-    for bad in (0, -1, 2.5):
-        with pytest.raises(ValueError, match="drafter_off_above: expected None or a number of requests >= 1"):
-            eng.Engine(model, drafter, "dspark", eng.EngineConfig(drafter_off_above=bad), sps=synthetic_cost_table())
-
-
 def test_the_drafter_waits_for_requests_without_its_context(model, drafter):
-    """Requests admitted above drafter_off_above keep the drafter waiting while they are active (their
-    context is missing); once they finish, a request admitted at a light load drafts again."""
+    """Requests admitted where the drafter is off keep it waiting while they are active (their context is
+    missing); once they finish, a request admitted at a light load drafts again."""
     ps = prompts(4, seed=13)
     ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
-    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=3, capacity=64, calibrate_times=False,
-                                                              drafter_off_above=1),
+    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=3, capacity=64, calibrate_times=False),
                    sps=synthetic_cost_table(draft_cost=0.0), stop_ids=[])  # a free drafter
+    e.cutoff = gate.CutOff(off_rounds={3: 0})  # off at three requests (row bucket 3: capped at the slots)
     ids = [e.submit(ps[0], 6)]  # the shortest: it leaves first
     e.step()  # alone: it has the context
     ids += [e.submit(p, 10) for p in ps[1:3]]  # joining at a load of three: they have not
@@ -386,21 +333,25 @@ def test_the_drafter_is_switched_off_where_the_gate_stays_shut(model, drafter, m
     """drafter_off_after: a drafter that never pays (it costs ten verifications) keeps the gate's estimate
     below the bar; after that many request-rounds at a load the active requests drop their context and the
     rounds are plain decoding's own programs (no context write, no gate), requests joining at that load come
-    without one. A free drafter opens the gate and is never switched off. Output lossless throughout. (That
-    `warm_up` compiles plain decoding's programs for a dspark engine is tested with `drafter_off_above`.)"""
+    without one; `warm_up` compiled those programs too. A free drafter opens the gate and is never switched
+    off. Output lossless throughout."""
     ps = prompts(6, seed=6)
     ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
     for draft_cost in (1.0, 0.0):
         cfg = eng.EngineConfig(num_slots=3, capacity=64, gate_probe_every=1000, calibrate_times=False,
                                drafter_off_after=6)
         e = eng.Engine(model, drafter, "dspark", cfg, sps=synthetic_cost_table(draft_cost=draft_cost), stop_ids=[])
+        if draft_cost:
+            e.warm_up(max_prompt_tokens=20)  # compiles plain decoding's programs too
         verifies, prefill_ctx, gates = [], [], []
         _spy(monkeypatch, "_verify_and_commit", verifies)
         _spy(monkeypatch, "_write_chunk_context", prefill_ctx)
         _spy(monkeypatch, "_after_round", gates)
-        assert [c.output_ids for c in e.run(ps, 10)] == [r.output_ids for r in ref]
+        with count_compilations() as compiled:
+            assert [c.output_ids for c in e.run(ps, 10)] == [r.output_ids for r in ref]
         monkeypatch.undo()
         if draft_cost:
+            assert compiled() == 0
             # 3 requests, 2 rounds below the bar (6 request-rounds): off from the third round (row bucket 3:
             # powers of two capped at the slot count)
             assert e.drafter_offs == [(1, 3)], e.drafter_offs
@@ -441,19 +392,15 @@ def test_measured_round_times_correct_the_cost_model(model, drafter):
     assert not any(r.drafted for r in base.rounds) and base.time_scale == (1.0, 1.0)
     e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000,
                                                               calibrate_times=False), sps=table, stop_ids=[])
-    for _ in range(20):  # drafting rounds measured at a fifth of the table's prediction, plain ones as predicted
-        e._observe_round(True, 0.2, 1.0)
-        e._observe_round(False, 1.0, 1.0)
-    assert e.time_scale == (1.0, 1.0)  # calibrate_times=False ignores measurements
-    e.cfg = eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000, calibrate_times=True)
-    for _ in range(100):
-        e._observe_round(True, 0.2, 1.0)
-        e._observe_round(False, 1.0, 1.0)
+    learned, cfg = gate.RoundTimes(), gate.GateConfig()
+    for _ in range(100):  # drafting rounds measured at a fifth of the table's prediction, plain ones as predicted
+        learned = gate.observe_round(learned, cfg, True, 0.2, 1.0)
+        learned = gate.observe_round(learned, cfg, False, 1.0, 1.0)
+    e.round_times = learned  # calibrate_times=False: the engine keeps it as it is
     d_scale, p_scale = e.time_scale
     assert d_scale == pytest.approx(0.2, rel=0.05) and p_scale == pytest.approx(1.0, rel=0.05)
-    e.cfg = eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000, calibrate_times=False)  # freeze
     assert [c.output_ids for c in e.run(ps, 12)] == [r.output_ids for r in ref]
-    assert any(r.drafted for r in e.rounds)
+    assert any(r.drafted for r in e.rounds) and e.round_times == learned
     e.reset_time_scale()
     assert e.time_scale == (1.0, 1.0)
 
@@ -470,61 +417,17 @@ def test_measured_round_times_close_the_gate_on_a_table_that_prices_drafting_low
                                                                  calibrate_times=False), sps=table, stop_ids=[])
     assert [c.output_ids for c in base.run(ps, 12)] == [r.output_ids for r in ref]
     assert any(r.drafted for r in base.rounds)
-    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000),
+    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000,
+                                                              calibrate_times=False),  # frozen at what is set
                    sps=table, stop_ids=[])
+    learned, cfg = gate.RoundTimes(), gate.GateConfig()
     for _ in range(100):
-        e._observe_round(True, 4.0, 1.0)
-        e._observe_round(False, 1.0, 1.0)
+        learned = gate.observe_round(learned, cfg, True, 4.0, 1.0)
+        learned = gate.observe_round(learned, cfg, False, 1.0, 1.0)
+    e.round_times = learned
     assert e.time_scale[0] == pytest.approx(4.0, rel=0.05)
-    e.cfg = dataclasses.replace(e.cfg, calibrate_times=False)  # freeze what was learned
     assert [c.output_ids for c in e.run(ps, 12)] == [r.output_ids for r in ref]
     assert not any(r.drafted for r in e.rounds)
-
-
-def _time_probe():
-    """Just the engine's round-time correction (calibrate_times on), fed by hand."""
-    class Probe:
-        cfg = eng.EngineConfig(calibrate_times=True)
-        _observe_round = eng.Engine._observe_round
-        reset_time_scale = eng.Engine.reset_time_scale
-        time_scale = eng.Engine.time_scale
-    e = Probe()
-    e.reset_time_scale()
-    return e
-
-
-def test_time_scale_starts_from_the_plain_rounds():
-    """Before any drafting round is measured, drafting rounds take the plain rounds' correction; single
-    outliers are clipped."""
-    e = _time_probe()
-    e._observe_round(False, 2.0, 1.0)
-    d, p = e.time_scale
-    assert d == p and 1.0 < p < 2.0
-    e._observe_round(True, 1e6, 1.0)  # clipped at e^2 per observation
-    assert e.time_scale[0] <= np.exp(2.0) + 1e-9
-    before = e.time_scale
-    e._observe_round(False, 1.0, float("nan"))  # no prediction: ignored
-    e._observe_round(True, 0.0, 1.0)  # no time: ignored
-    assert e.time_scale == before
-
-
-def test_host_drift_moves_both_round_times():
-    """The drafting rounds' excess over the host factor is learned from drafting rounds; host drift seen
-    only in plain rounds (a closed gate) then moves the drafting rounds' price too, at the learned ratio."""
-    e = _time_probe()
-    for _ in range(60):  # drafting rounds 1.5 x what the table says, plain rounds as it says
-        e._observe_round(True, 1.5, 1.0)
-        e._observe_round(False, 1.0, 1.0)
-    d, p = e.time_scale
-    assert d == pytest.approx(1.5, rel=0.02) and p == pytest.approx(1.0, rel=0.02)
-    for _ in range(60):  # the host slows down twofold while the gate is closed: plain rounds only
-        e._observe_round(False, 2.0, 1.0)
-    d, p = e.time_scale
-    assert p == pytest.approx(2.0, rel=0.02) and d / p == pytest.approx(1.5, rel=0.02)
-    for _ in range(60):  # and an open gate alone (drafting rounds only) follows the host back down
-        e._observe_round(True, 1.5, 1.0)
-    d, p = e.time_scale
-    assert d == pytest.approx(1.5, rel=0.05)
 
 
 def test_expensive_probes_come_less_often(model, drafter):
@@ -547,62 +450,18 @@ def test_expensive_probes_come_less_often(model, drafter):
         eng.Engine(model, drafter, "dspark", eng.EngineConfig(gate_probe_budget=0.0), sps=table)
 
 
-def test_probes_are_spaced_by_their_expected_loss(model, drafter):
-    """A probe costs what drafting is expected to lose against plain decoding, not the drafting round's whole
-    extra time: the closer the survival estimate comes to the gate's bar, the sooner the closed gate probes
-    (at best after gate_probe_every rounds); an estimate of nothing waits for the round's whole extra cost
-    (and the 5% margin by which the gate distrusts its estimates)."""
-    from dspark_jax.sps import plain_sps_from_cost, sps_from_cost
-
-    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=2),
-                   sps=synthetic_cost_table(draft_cost=0.01), stop_ids=[])
-    state = e.state.replace(active=e.state.active.at[0].set(True))
-    rows, valid = eng._device_rows(state.active, 1)
-    ts = jnp.ones(2, jnp.float32)
-
-    @jax.jit
-    def wait(p):  # skipped rounds before the gate opens, for survival p, p^2, ... at every position
-        st = state.replace(conf_ema=state.conf_ema.at[0].set(p ** jnp.arange(1, e.G + 1)))
-        opens = jax.vmap(lambda k: eng._drafting_pays(e.cost, st.replace(skipped=k), rows, valid, ts, 2, 0.02,
-                                                      True, 0.05)[0])(jnp.arange(4096, dtype=jnp.int32))
-        return jnp.argmax(opens)
-
-    waits = [int(wait(p)) for p in np.linspace(0.0, 1.0, 201)]
-    assert waits == sorted(waits, reverse=True) and waits[-1] == 0, waits
-    assert 2 in waits, waits  # just below the bar: the floor
-    t_draft = 1 / sps_from_cost(e.cost, 1, 0)[int(scheduler.padded_batch(jnp.int32(1), eng.BUCKETS))]
-    t_plain = 1 / plain_sps_from_cost(e.cost, 1, 0)
-    assert waits[0] == max(2, int(np.ceil(float(1.05 * t_draft / t_plain - 1) / 0.02 - 1e-4))), waits
-
-
-def test_gate_averages_survival_not_confidences():
-    """The gate's estimate is the average survival (unbiased for expected tokens whatever the correlation of
-    a round's confidences); the schedule reads it back as per-position confidences."""
-    surv = jnp.array([[0.8, 0.4, 0.4, 0.0], [1.0, 0.5, 0.25, 0.125]], jnp.float32)
-    np.testing.assert_allclose(eng._conditional(surv), [[0.8, 0.5, 1.0, 0.0], [1.0, 0.5, 0.5, 0.5]])
-    np.testing.assert_allclose(jnp.cumprod(eng._conditional(surv), axis=1), surv)
-    assert not np.any(np.isnan(eng._conditional(jnp.zeros((1, 4)))))
-
-
-def test_gate_scales_expected_drafts_by_what_verification_accepted(model, drafter):
-    """Confidences that ran high on the served prompts (verification accepted less than they predicted in
-    recent drafted rounds) lower the gate's estimate; the sums follow the drafted rounds."""
+def test_gate_acceptance_sums_follow_the_drafted_rounds(model, drafter):
+    """The gate's (predicted, accepted) sums follow the engine's drafted rounds: the accepted sum decays by
+    accept_decay and adds each round that verified drafts (the arithmetic itself: tests/test_gate.py)."""
     e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000,
                                                               calibrate_times=False),
                    sps=synthetic_cost_table(draft_cost=0.0), stop_ids=[])
-    state = e.state.replace(active=e.state.active.at[0].set(True), conf_ema=e.state.conf_ema.at[0].set(1.0))
-    rows, valid = eng._device_rows(state.active, 1)
-
-    def gate(seen):
-        st = state.replace(accept_seen=jnp.asarray(seen, jnp.float32))
-        return bool(eng._drafting_pays(e.cost, st, rows, valid, jnp.ones(2), 1000, 0.02, True, 0.05)[0])
-
-    assert gate([4.0, 4.0]) and not gate([4.0, 0.0])
+    cfg = e.gate_cfg
     e.run(prompts(2, seed=8), 12)
-    predicted, accepted = np.asarray(e.state.accept_seen)
-    assert any(r.drafted for r in e.rounds) and predicted != eng.ACCEPT_PRIOR
-    want = eng.ACCEPT_PRIOR  # the accepted sum: decayed, plus each round that verified drafts
+    predicted, accepted = np.asarray(e.state.gate.accept_seen)
+    assert any(r.drafted for r in e.rounds) and predicted != cfg.accept_prior
+    want = cfg.accept_prior  # the accepted sum: decayed, plus each round that verified drafts
     for r in e.rounds:
         if r.drafted and r.scheduled.sum() > 0:
-            want = eng.ACCEPT_DECAY * want + int(r.accepted.sum())
+            want = cfg.accept_decay * want + int(r.accepted.sum())
     assert accepted == pytest.approx(want, rel=1e-5)
