@@ -70,7 +70,7 @@ def resolve_drafter(spec: str | None = None, *, target_cfg=None, dtype=None
                              f"a DeepSpec checkpoint (config.json with target_layer_ids and block_size) or our own")
         if spec in SHIPPED:
             raise ValueError(f"the shipped drafter {spec!r} is missing from this installation ({path}); "
-                             f"train one (README, 'Training the drafters') or pass --draft PATH")
+                             f"train one (README, 'Training and calibrating a drafter') or pass --draft PATH")
         raise ValueError(f"--draft {spec}: expected one of {SHIPPED}, a drafter folder with config.json and "
                          f"weights.npz, or a DeepSpec checkpoint folder (config.json with target_layer_ids and "
                          f"block_size, and model.safetensors)")

@@ -156,15 +156,13 @@ class EngineConfig:
     # ... and drafts only when the schedule's expected throughput beats plain decoding by this share: the
     # cost model's drafting/plain ratio moves by up to ~10% between measurements on a shared 2-core host,
     # and the per-request confidence averages are noisy, so a gate that opens on any expected gain opens
-    # on estimates that are too high; 10% kept it shut where the best fixed K gained 12% (README, Serving
-    # benchmark). 0 trusts the estimates as they are.
+    # on estimates that are too high (docs/design.md, the drafter gate). 0 trusts the estimates as they are.
     gate_margin: float = 0.05
     # Correct the cost model's drafting and plain round times by the engine's own measurements before the
     # gate compares them (`Engine.time_scale`: a host factor and the drafting rounds' excess over it). On by
     # default: a table measured on another host, or on this one while it was busy, can misprice the two kinds
-    # of round against each other by half (README, Engine: at 16 users the shipped table priced a drafting
-    # round at 1.4 x a plain one where the engine ran 2.1 x, and the gate drafted in a third of the rounds,
-    # each losing). The output stays lossless either way; with it, which rounds draft depends on timings, so
+    # of round against each other by half (docs/design.md). The output stays lossless either way; with it,
+    # which rounds draft depends on timings, so
     # sampled tokens (not their law) can differ between runs of the same seed: False for reproducible samples.
     calibrate_times: bool = True
     # The dspark policies learn where drafting never pays on this hardware: once the gate's estimate has

@@ -17,7 +17,7 @@ import argparse
 import datetime
 
 from dspark_jax.build import add_model_arguments, load_target
-from dspark_jax.profiling import random_drafter
+from dspark_jax.measure import random_drafter
 from dspark_jax.stages import round_stage_rows
 from dspark_jax.timing import device_info, format_table, write_json
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from dspark_jax import build, profiling
+from dspark_jax import build, measure
 from dspark_jax.sharding import add_mesh_arguments, describe_mesh, mesh_from_args, place_target_weights
 from dspark_jax.plots import plot_sps
 from dspark_jax.io import check_writable
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--rows", type=int, nargs="+", help="row buckets (default: powers of two up to max-tokens / 8)")
     p.add_argument("--repeats", type=int, help="timed calls per cell (default 5; --quick 2)")
     p.add_argument("--max-seconds", type=float, help="stop repeating a cell after this long (>= 3 repeats)")
-    p.add_argument("--block", type=int, default=profiling.DEFAULT_BLOCK, help="drafted tokens per request G")
+    p.add_argument("--block", type=int, default=measure.DEFAULT_BLOCK, help="drafted tokens per request G")
     p.add_argument("--window-rule", choices=("pow2", "step"), default="step",
                    help="attention windows: multiples of 128 (the engine default) or powers of two from 128")
     p.add_argument("--no-drafter", action="store_true", help="record no draft cost")
@@ -125,7 +125,7 @@ def overhead_lines(cm) -> list[str]:
     for i, r in enumerate(cm.rows):
         lines.append(f"drafting round overhead ms R={r}: " + " ".join(
             f"B={b}:{1e3 * table[i, t]:.1f}" for t, b in enumerate(cm.batch_tokens)
-            if b in profiling.overhead_batches(cm, r)))
+            if b in measure.overhead_batches(cm, r)))
     return lines
 
 
@@ -135,8 +135,8 @@ def with_overhead(table, weights, cfg, rows=None, host_speed=True, drafter=None)
     ``host_speed`` is False."""
     from dspark_jax.models.llama import LlamaModel
 
-    drafter = drafter or profiling.random_drafter(cfg, block=table.cost_model.block)
-    return profiling.add_round_overhead(table, LlamaModel(cfg, weights), drafter, progress=True, rows=rows,
+    drafter = drafter or measure.random_drafter(cfg, block=table.cost_model.block)
+    return measure.add_round_overhead(table, LlamaModel(cfg, weights), drafter, progress=True, rows=rows,
                                         host_speed=host_speed)
 
 
@@ -165,7 +165,7 @@ def main(argv=None):
     args = parse_args(argv)
     mesh = mesh_from_args(args)  # first: a multi-process run joins before anything touches JAX
     # Everything that can fail fast fails before anything is loaded or measured.
-    device = profiling.select_device(args.backend) if mesh is None else mesh.devices.flat[0]
+    device = measure.select_device(args.backend) if mesh is None else mesh.devices.flat[0]
     out = args.out or DEFAULT_OUT
     if args.out is None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -173,11 +173,11 @@ def main(argv=None):
     png = None if args.no_plot else (args.png or out.with_suffix(".png"))
     if png is not None:
         check_writable(png)
-    max_tokens = args.max_tokens or (256 if args.quick else profiling.DEFAULT_MAX_TOKENS)
-    contexts = args.context_lengths or (profiling.DEFAULT_CONTEXT_LENGTHS[:1] if args.quick
-                                        else profiling.DEFAULT_CONTEXT_LENGTHS)
+    max_tokens = args.max_tokens or (256 if args.quick else measure.DEFAULT_MAX_TOKENS)
+    contexts = args.context_lengths or (measure.DEFAULT_CONTEXT_LENGTHS[:1] if args.quick
+                                        else measure.DEFAULT_CONTEXT_LENGTHS)
     repeats = args.repeats or (2 if args.quick else 5)
-    buckets = profiling.token_buckets(max_tokens)
+    buckets = measure.token_buckets(max_tokens)
     if args.quick:
         buckets = tuple(sorted({b for b in buckets if b in QUICK_BUCKETS} | {buckets[-1]}))
     if args.reference_context is not None and args.reference_context not in contexts:
@@ -190,7 +190,7 @@ def main(argv=None):
 
     if args.add_plain:
         def plain(table, weights, cfg):
-            return profiling.add_plain_rounds(table, weights, cfg, repeats=repeats, max_seconds=args.max_seconds,
+            return measure.add_plain_rounds(table, weights, cfg, repeats=repeats, max_seconds=args.max_seconds,
                                               host_speed=not args.no_host_speed, progress=True)
 
         return extend_table(args, device, out, plain, lambda cm: [
@@ -208,7 +208,7 @@ def main(argv=None):
     print(f"profiling {name} ({jnp.dtype(weights.embed.dtype).name}) on {device.platform} ({device.device_kind}){on}: "
           f"B up to {buckets[-1]}, "
           f"contexts {list(contexts)}, {repeats} repeats, {'diagonal' if args.quick else 'all'} cells")
-    table = profiling.profile_sps_table(
+    table = measure.profile_sps_table(
         weights, cfg, model=name, context_lengths=contexts,
         reference_context=args.reference_context, rows=args.rows, diagonal=args.quick, block=block, drafter=drafter,
         window_rule=args.window_rule, with_drafter=not args.no_drafter, round_overhead=False,

@@ -165,7 +165,7 @@ def check_profile(out: str) -> dict:
     loaded = SPSTable.load(out)
     assert loaded == table and table_mesh(loaded) == {"data": 4, "tensor": 2}, loaded.metadata.extra
     assert loaded.metadata.extra["device_count"] == 8
-    model, d = tiny_target_and_drafter(block=profile_sps.profiling.DEFAULT_BLOCK)
+    model, d = tiny_target_and_drafter(block=profile_sps.measure.DEFAULT_BLOCK)
     from dspark_jax.build import LoadedDrafter
 
     loaded_d = LoadedDrafter(d, None, 0.7, None)

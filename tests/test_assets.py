@@ -39,7 +39,7 @@ def test_shipped_pair_differs_only_in_the_heads(target):
 
 
 def test_profiler_times_the_shipped_drafter_shape():
-    from dspark_jax.profiling import SHIPPED_DRAFTER
+    from dspark_jax.measure import SHIPPED_DRAFTER
 
     ds, _, _, _ = resolve_drafter("dspark")
     assert {k: getattr(ds.cfg, k) for k in SHIPPED_DRAFTER} == SHIPPED_DRAFTER

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax import profiling, scheduler
+from dspark_jax import measure, scheduler
 from dspark_jax.models.llama import bucket_for, check_packed, context_bucket, init_cache, LlamaConfig
 from dspark_jax.plots import plot_sps
 from dspark_jax.sps import (CostModel, SPSMetadata, SPSTable, context_window, default_sps_table, load_sps_table,
@@ -50,7 +50,7 @@ def synthetic(rows=(1, 2, 4), batch=(8, 16, 32), contexts=(120, 504), cells=None
 
 
 def table_with(cm, **meta):
-    pts = profiling.sps_points(cm, cm.context_lengths[0])
+    pts = measure.sps_points(cm, cm.context_lengths[0])
     return SPSTable(pts, SPSMetadata(**meta), cm)
 
 
@@ -77,7 +77,7 @@ def test_context_window_rules():
 
 
 def test_round_trip_with_cost_model(tmp_path):
-    cm = synthetic(cells=profiling.verify_cells((1, 2, 4), (8, 16, 32), G))
+    cm = synthetic(cells=measure.verify_cells((1, 2, 4), (8, 16, 32), G))
     t = table_with(cm, device_kind="cpu", backend="cpu", model="m", dtype="float32", context_length=120,
                    date="2026-11-29", extra={"rows": [1, 2, 4]})
     path = tmp_path / "t.json"
@@ -152,7 +152,7 @@ def test_unmeasured_cell_with_spread_and_json_shape_errors(tmp_path):
     with pytest.raises(ValueError, match="points end at B=16 but the cost model at B=32"):
         SPSTable.load(f)
     with pytest.raises(ValueError, match="context lengths 100 and 110 share the verification window 128"):
-        profiling.profile_cost_model(None, None, None, context_lengths=(100, 110), batch_tokens=(8,))
+        measure.profile_cost_model(None, None, None, context_lengths=(100, 110), batch_tokens=(8,))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ def test_sps_for_rejects_bad_queries(R, L, match):
 
 
 def test_jitted_sps_equals_numpy_and_does_not_recompile():
-    cm = synthetic(cells=profiling.verify_cells((1, 2, 4), (8, 16, 32), G))
+    cm = synthetic(cells=measure.verify_cells((1, 2, 4), (8, 16, 32), G))
     table = table_with(cm)
     for interpolation in ("linear", "ceil"):
         arrays = table.cost_arrays(interpolation=interpolation)
@@ -279,7 +279,7 @@ def test_more_context_and_more_requests_cost_more():
 @pytest.mark.parametrize("rows,batch", [((1, 2, 4, 8, 16, 32, 64), (8, 16, 32, 64, 128, 256, 512)),
                                         ((1, 2, 4, 8), (8, 16, 32, 64)), ((2, 8), (8, 32, 64))])
 def test_verify_cells_cover_every_reachable_round(rows, batch):
-    cells = set(profiling.verify_cells(rows, batch, G))
+    cells = set(measure.verify_cells(rows, batch, G))
     for active in range(1, rows[-1] + 1):
         rb = min(r for r in rows if r >= active)
         for b in range(active, min(active * (G + 1), batch[-1]) + 1):
@@ -296,12 +296,12 @@ def test_verify_cells_cover_every_reachable_round(rows, batch):
 
 
 def test_diagonal_cells_and_rows():
-    assert profiling.diagonal_cells((8, 32, 128, 256), max_rows=64, block=G) == [(2, 8), (8, 32), (32, 128), (64, 256)]
+    assert measure.diagonal_cells((8, 32, 128, 256), max_rows=64, block=G) == [(2, 8), (8, 32), (32, 128), (64, 256)]
     assert [realistic_rows(b) for b in (8, 16, 32, 64, 128, 256, 512)] == [2, 4, 8, 16, 32, 64, 64]
-    assert profiling.row_buckets(512, G) == (1, 2, 4, 8, 16, 32, 64)
-    assert profiling.token_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert measure.row_buckets(512, G) == (1, 2, 4, 8, 16, 32, 64)
+    assert measure.token_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
     with pytest.raises(ValueError, match="max_tokens"):
-        profiling.token_buckets(4096)
+        measure.token_buckets(4096)
 
 
 @pytest.mark.parametrize("rows,T,L", [(1, 8, 0), (2, 8, 120), (4, 16, 30), (3, 64, 5), (64, 512, 100)])
@@ -309,7 +309,7 @@ def test_verify_batch_keeps_the_packed_contract(rows, T, L):
     cfg = LlamaConfig.tiny()
     W, _ = round_windows(L, G)
     cache = init_cache(cfg, rows, W).replace(lengths=jnp.full((rows,), L, jnp.int32))
-    tokens, slots, positions, valid = profiling.verify_batch(rows=rows, batch_tokens=T, context=L, block=G,
+    tokens, slots, positions, valid = measure.verify_batch(rows=rows, batch_tokens=T, context=L, block=G,
                                                              vocab_size=cfg.vocab_size)
     check_packed(cache, tokens, slots, positions, valid, max_per_slot=G + 1)
     assert valid.sum() == min(T, rows * (G + 1)) and T == bucket_for(T)
@@ -327,15 +327,15 @@ def test_timed_calls_do_not_compile(monkeypatch):
             for _ in range(3):
                 jax.block_until_ready(fn())
         counts.append(n())
-        return profiling.Timing(1.0, 1.0, 1.0, 1)
+        return measure.Timing(1.0, 1.0, 1.0, 1)
 
-    monkeypatch.setattr(profiling, "time_call", probe)
+    monkeypatch.setattr(measure, "time_call", probe)
     cfg = LlamaConfig.tiny()
     from dspark_jax.models.llama import init_random_weights
 
     w = jax.device_put(init_random_weights(cfg, jax.random.key(1)), jax.devices()[0])
-    profiling.time_verify(w, cfg, rows=1, batch_tokens=8, context=3)
-    profiling.time_draft(profiling.random_drafter(cfg), w.embed, rows=1, context=3)
+    measure.time_verify(w, cfg, rows=1, batch_tokens=8, context=3)
+    measure.time_draft(measure.random_drafter(cfg), w.embed, rows=1, context=3)
     assert counts == [0, 0]
 
 
@@ -411,7 +411,7 @@ def test_quick_tiny_profile_gives_a_valid_table(tiny_profile):
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # every time was put at the host's median speed over the profile, recorded with the probes' range
-    assert meta.extra["host_reference"] == profiling.reference_label(120, cm.window_rule)
+    assert meta.extra["host_reference"] == measure.reference_label(120, cm.window_rule)
     lo, hi = meta.extra["host_drift"]
     assert meta.extra["host_reference_s"] > 0 and 0 < lo <= 1 <= hi
 
@@ -439,7 +439,7 @@ def no_measuring(monkeypatch):
         raise AssertionError("measured before checking the output")
 
     monkeypatch.setattr(profile_sps, "load_target", boom)
-    monkeypatch.setattr(profiling, "profile_sps_table", boom)
+    monkeypatch.setattr(measure, "profile_sps_table", boom)
 
 
 def test_unwritable_output_fails_early(tmp_path, no_measuring):
@@ -454,11 +454,11 @@ def test_unwritable_output_fails_early(tmp_path, no_measuring):
 
 
 def test_missing_backend_is_named(tmp_path, no_measuring):
-    missing = next(b for b in ("tpu", "gpu", "cpu") if b not in profiling.available_backends())
+    missing = next(b for b in ("tpu", "gpu", "cpu") if b not in measure.available_backends())
     with pytest.raises(ValueError, match=rf"backend '{missing}' is not available.*available backends: \['cpu'"):
         profile_sps.main(["--tiny", "--backend", missing, "--out", str(tmp_path / "t.json")])
-    assert profiling.select_device("cpu").platform == "cpu"
-    assert profiling.select_device() == jax.devices()[0]
+    assert measure.select_device("cpu").platform == "cpu"
+    assert measure.select_device() == jax.devices()[0]
 
 
 def test_reference_context_must_be_measured(tmp_path, no_measuring):
@@ -768,7 +768,7 @@ def test_add_overhead_extends_a_table_in_place(tiny_profile, tmp_path):
     # drafting rounds by padded batch: measured exactly at the batches each row count can verify
     for r, R in enumerate(cm.rows):
         have = {b for t, b in enumerate(cm.batch_tokens) if cm.draft_overhead_s[r][t] is not None}
-        assert have == set(profiling.overhead_batches(cm, R)) and have
+        assert have == set(measure.overhead_batches(cm, R)) and have
     assert cm.without_overhead() == table.cost_model.without_overhead()
 
 
@@ -785,15 +785,15 @@ def test_add_overhead_extends_a_table_in_place(tiny_profile, tmp_path):
 ])
 def test_host_factor_reads_the_probes_nearest_the_span(span, window, want):
     probes = [2.0, 2.0, 2.0, 3.0, 3.0, 3.0, 4.0, 4.0, 4.0, 4.0]
-    assert profiling.host_factor(probes, span, 1.0, window) == pytest.approx(want)
+    assert measure.host_factor(probes, span, 1.0, window) == pytest.approx(want)
 
 
 def test_host_factor_rejects_spans_outside_the_probes():
     with pytest.raises(ValueError, match=r"probe span \(2, 3\) outside 0..2"):
-        profiling.host_factor([1.0, 1.0, 1.0], (2, 3), 1.0)
+        measure.host_factor([1.0, 1.0, 1.0], (2, 3), 1.0)
 
 
-class _ScriptedSpeed(profiling.HostSpeed):
+class _ScriptedSpeed(measure.HostSpeed):
     """A HostSpeed whose probes read a scripted host slowdown instead of timing a program."""
 
     def __init__(self, slowdown, reference=None, window=1):
@@ -813,20 +813,20 @@ def test_timed_jobs_put_a_drifting_host_at_one_speed():
 
     def run(j):
         t = work[j] * speed_at(j)
-        return profiling.Timing(t, 0.9 * t, 1.1 * t, 3)
+        return measure.Timing(t, 0.9 * t, 1.1 * t, 3)
 
     jobs = list(range(9))
-    got = [tm.median for tm in profiling.timed_jobs(jobs, run, _ScriptedSpeed(speed_at, window=2))]
+    got = [tm.median for tm in measure.timed_jobs(jobs, run, _ScriptedSpeed(speed_at, window=2))]
     # probes 0..5 fast, 6..9 slow: median (reference) fast; job 5 ran fast between probes 5 (fast) and 6 (slow)
     assert got[:5] + got[6:] == pytest.approx(work[:5] + work[6:])
     assert got[5] == pytest.approx(work[5] / 1.5)
-    spreads = [tm.spread for tm in profiling.timed_jobs(jobs, run, _ScriptedSpeed(speed_at, window=2))]
+    spreads = [tm.spread for tm in measure.timed_jobs(jobs, run, _ScriptedSpeed(speed_at, window=2))]
     assert spreads == pytest.approx([0.1 * g for g in got])
     # a recorded reference at the slow speed (the table's): the rescaled times are at that speed
-    got = [tm.median for tm in profiling.timed_jobs(jobs, run, _ScriptedSpeed(speed_at, reference=0.02))]
+    got = [tm.median for tm in measure.timed_jobs(jobs, run, _ScriptedSpeed(speed_at, reference=0.02))]
     assert got[:5] + got[6:] == pytest.approx([2 * w for w in work[:5] + work[6:]])
     # without a speed, as measured
-    got = profiling.timed_jobs(jobs, run, None)
+    got = measure.timed_jobs(jobs, run, None)
     assert [tm.median for tm in got] == pytest.approx([run(j).median for j in jobs])
 
 
@@ -838,10 +838,10 @@ def test_table_host_speed_takes_the_recorded_reference(tiny_profile):
     table, _ = tiny_profile
     cfg = LlamaConfig.tiny()
     w = init_random_weights(cfg, jax.random.key(0))
-    speed = profiling.table_host_speed(table, w, cfg)
+    speed = measure.table_host_speed(table, w, cfg)
     assert speed.reference == table.metadata.extra["host_reference_s"] and speed.calls >= 3
     other = dataclasses.replace(table.metadata, extra={**table.metadata.extra, "host_reference": "something else"})
-    speed = profiling.table_host_speed(SPSTable(table.points, other, table.cost_model), w, cfg)
+    speed = measure.table_host_speed(SPSTable(table.points, other, table.cost_model), w, cfg)
     with pytest.raises(ValueError, match="no probe yet"):
         speed.reference
     speed.probe()

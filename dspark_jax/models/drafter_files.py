@@ -23,8 +23,8 @@ __all__ = ["INT8_MIN_SIZE", "SCALE_SUFFIX", "quantize_int8", "pack_weights", "fl
 # Shipping format: config.json + weights.npz in one folder, written atomically. Floats are stored as float16;
 # with ``quantize="int8"`` every weight matrix of at least ``INT8_MIN_SIZE`` entries is stored as int8 with one
 # float32 scale per output channel (per row for embedding tables) under ``NAME@scale``, halving the file.
-# Verification stays exact whatever the drafter's weights are; only its acceptance can change (measured in
-# the README).
+# Verification stays exact whatever the drafter's weights are; only its acceptance can change (docs/design.md,
+# the drafters).
 
 INT8_MIN_SIZE = 4096
 SCALE_SUFFIX = "@scale"

@@ -122,7 +122,7 @@ class CostModel:
     ``overhead_s[k][r]`` (optional; zeros when absent) is what a whole engine round at ``rows[r]`` takes
     beyond those programs, for a drafting round (``k = 0``) and a plain round (``k = 1``): the host's share
     of the round, the engine's bookkeeping programs and the drafter's context write, measured by running
-    the engine (``profiling.profile_round_overhead``); it is added to every round time of its kind.
+    the engine (``measure.profile_round_overhead``); it is added to every round time of its kind.
     ``draft_overhead_s[r][t]`` (optional, needs ``overhead_s``) refines the drafting round's overhead by
     the padded batch ``batch_tokens[t]`` it verified (``None``: not measured): what the engine adds beyond
     the programs depends on the batch, and a correction measured at full blocks misprices a round that
