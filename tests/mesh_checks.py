@@ -63,8 +63,8 @@ def run_engine(model, d, policy, ps, budgets, *, mesh=None, temperature=0.0, slo
 
 def check_engine() -> dict:
     """Greedy output equals plain decoding on one device (what every policy's greedy output is): dspark on
-    every mesh, none and fixed:2 as well on 2x4; no compilation after warm-up; the layout splits what
-    divides. (Sampling on a mesh: `check_law`.)"""
+    every mesh, every other policy as well on 2x4; sampled dspark on 2x4 draws the single-device engine's
+    samples; no compilation after warm-up; the layout splits what divides. (The law on a mesh: `check_law`.)"""
     import jax
 
     from dspark_jax.sharding import layout_report, make_mesh
@@ -88,11 +88,18 @@ def check_engine() -> dict:
     out["greedy"]["2x4 dspark"] = True
     out["layout_2x4"] = layout_report({"state": e.state, "weights": e.target.weights, "drafter": e.d_state})
     log("2x4 dspark greedy after warm-up ok")
-    for pol in ("none", "fixed:2"):
+    for pol in ("none", "fixed:2", "threshold:0.3", "dspark-async"):
         got = run_engine(model, d, pol, ps2, budgets2, mesh=mesh, slots=2)[0]
         assert got == ref2, ("2x4", pol, got, ref2)
         out["greedy"][f"2x4 {pol}"] = True
         log(f"2x4 {pol} greedy ok")
+    # Sampled: the per-request keys do not depend on the layout, so the 2x4 engine draws the single-device
+    # engine's very samples (the law itself is checked by `check_law` and on one device by test_engine).
+    one = run_engine(model, d, "dspark", ps2, budgets2, slots=2, temperature=1.0)[0]
+    got = run_engine(model, d, "dspark", ps2, budgets2, mesh=mesh, slots=2, temperature=1.0)[0]
+    assert got == one, ("2x4 sampled dspark", got, one)
+    out["sampled_2x4_equals_one_device"] = True
+    log("2x4 dspark sampled equals one device")
     for data, tensor in ((1, 8), (4, 2), (8, 1)):  # eight slots: split over data everywhere
         got = run_engine(model, d, "dspark", ps, budgets, mesh=make_mesh(data, tensor))[0]
         assert got == ref, (f"{data}x{tensor}", got, ref)
