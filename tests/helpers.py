@@ -57,3 +57,23 @@ def synthetic_cost_table(block=4, draft_cost=0.002):
                    batch_tokens=toks, verify_s=verify, verify_spread_s=zeros3, draft_s=draft, draft_spread_s=zeros2)
     points = SPSTable.from_arrays(toks, [1 / verify[0][-1][i] for i in range(3)]).points
     return SPSTable(points, SPSMetadata(), cost_model=cm)
+
+
+def assert_follows_law(outputs, law) -> None:
+    """Chi-square test at p = 0.001 that ``outputs`` (sequences of m token ids) were drawn from ``law``
+    (an exact joint distribution [V] * m): cells expected below 5 are pooled; Wilson-Hilferty critical value."""
+    import numpy as np
+
+    counts = np.zeros_like(law)
+    for ids in outputs:
+        counts[tuple(ids)] += 1
+    expected = law * len(outputs)
+    big = expected >= 5
+    chi2 = (((counts - expected) ** 2)[big] / expected[big]).sum()
+    small_obs, small_exp = counts[~big].sum(), expected[~big].sum()
+    if small_exp > 0:
+        chi2 += (small_obs - small_exp) ** 2 / small_exp
+    dof = int(big.sum()) + (small_exp > 0) - 1
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < crit, (chi2, crit, dof)
+

@@ -13,7 +13,7 @@ from dspark_jax import gate, scheduler, verify
 from dspark_jax.decoding import plain_generate
 from dspark_jax.models import drafter as dr
 from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
-from tests.helpers import count_compilations, synthetic_cost_table
+from tests.helpers import assert_follows_law, count_compilations, synthetic_cost_table
 
 POLICIES = ["none", "fixed:3", "fixed:0", "threshold:0.3", "dspark", "dspark-async"]
 SPS = np.linspace(10.0, 1.0, 48).astype(np.float32)  # falls with the batch: the scheduler has a real trade-off
@@ -101,19 +101,7 @@ def test_sampled_output_follows_the_target(small_vocab, policy):
     e = eng.Engine(model, d, policy, eng.EngineConfig(num_slots=16, capacity=32, temperature=1.0, seed=11),
                    sps=np.linspace(10, 4, 64).astype(np.float32), stop_ids=[])
     out = e.run([prompt] * n_req, m)  # every request has its own random stream
-    counts = np.zeros_like(law)
-    for c in out:
-        counts[tuple(c.output_ids)] += 1
-    expected = law * n_req
-    big = expected >= 5
-    chi2 = (((counts - expected) ** 2)[big] / expected[big]).sum()
-    small_obs, small_exp = counts[~big].sum(), expected[~big].sum()
-    if small_exp > 0:
-        chi2 += (small_obs - small_exp) ** 2 / small_exp
-    dof = int(big.sum()) + (small_exp > 0) - 1
-    # chi-square critical value at p = 0.001 (Wilson-Hilferty approximation)
-    crit = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3
-    assert chi2 < crit, (chi2, crit, dof)
+    assert_follows_law([c.output_ids for c in out], law)
     if policy != "none":
         assert e.summary()["drafts_per_request"] > 0
 
