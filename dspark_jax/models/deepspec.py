@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.io import atomic_folder
+from dspark_jax.io import atomic_folder, read_json_object
 from dspark_jax.models.drafter import Drafter, DrafterConfig
 
 __all__ = ["MARKOV_HEADS", "is_deepspec_folder", "deepspec_drafter_config", "check_drafter_fits",
@@ -312,10 +312,7 @@ def load_deepspec_drafter(folder: str | os.PathLike, target_cfg=None, *, dtype: 
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{folder}: expected a DeepSpec drafter folder with config.json and {WEIGHTS}")
-    try:
-        hf = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{cfg_path}: not valid JSON ({err})") from err
+    hf = read_json_object(cfg_path)
     cfg = deepspec_drafter_config(hf, cfg_path)
     if target_cfg is not None:
         check_drafter_fits(cfg, target_cfg, cfg_path, num_target_layers=hf.get("num_target_layers"))
