@@ -242,7 +242,8 @@ def test_worker_drains_on_stop_and_times_out_waiting_requests():
 
 def test_bench_http_rows(served, tmp_path):
     """The HTTP benchmark end to end (plumbing; timings here mean nothing): each (policy, N) row has the
-    in-process and HTTP throughputs, their ratios, and TTFT / ITL percentiles; the JSON names the machine."""
+    in-process and HTTP throughputs of its paired windows, their pooled ratio inside its bootstrap interval, and
+    TTFT / ITL percentiles; the JSON names the machine."""
     from dspark_jax.build import load_drafter_for
     from profiling import bench_http
 
@@ -253,10 +254,12 @@ def test_bench_http_rows(served, tmp_path):
         # fixed:3 on 4 slots with a 128-token cache: the served engine's shapes, so its compiled programs serve
         rows = bench_http.main(["--policies", "fixed:3", "--concurrency", "1", str(SLOTS), "--max-new-tokens", "8",
                                 "--max-prompt-tokens", "96", "--warmup-tokens", "8", "--measure-tokens", "48",
-                                "--json", str(out)])
+                                "--repeats", "2", "--json", str(out)])
     assert [(r["policy"], r["N"]) for r in rows] == [("fixed:3", 1), ("fixed:3", SLOTS)]
     for r in rows:
-        assert r["http_tokens"] >= 48 and r["http_errors"] == 0 and r["ratio_http"] > 0
+        assert r["pairs"] == 2 and len(r["http_windows"]) == len(r["inproc_windows"]) == 2
+        assert r["http_tokens"] >= 2 * 48 and r["http_errors"] == 0
+        assert 0 < r["ratio_lo"] <= r["ratio_http"] <= r["ratio_hi"] and r["ratio_median"] > 0
         assert r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] >= 0 and r["inproc_tokens_per_s"] > 0
     report = json.loads(out.read_text())
     assert report["complete"] and report["device"]["backend"] and report["date"]

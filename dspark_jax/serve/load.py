@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import subprocess
+import sys
 import time
 from typing import Sequence
 
 import numpy as np
 
-__all__ = ["HTTPLoadResult", "http_closed_loop", "percentiles"]
+__all__ = ["HTTPLoadResult", "http_closed_loop", "http_closed_loop_process", "percentiles"]
 
 
 @dataclasses.dataclass
@@ -134,3 +136,33 @@ async def http_closed_loop(url: str, model: str, prompts: Sequence[Sequence[int]
     tokens = state["n1"] - state["n0"]
     return HTTPLoadResult(tokens / seconds if seconds > 0 else float("nan"), tokens, seconds, state["requests"],
                           state["errors"], ttft, itl)
+
+
+def http_closed_loop_process(url: str, model: str, prompts: Sequence[Sequence[int]], concurrency: int,
+                             max_tokens: int, **kwargs) -> HTTPLoadResult:
+    """`http_closed_loop` run in a separate Python process, as a load generator runs beside a server: clients
+    in the server's own process would share its interpreter lock with the engine thread and the event loop,
+    and charge their parsing to the server. Same arguments; blocks until the window closes.
+
+    Raises:
+      RuntimeError: the load process failed (its last error output is in the message).
+    """
+    job = {"url": url, "model": model, "prompts": [list(map(int, p)) for p in prompts],
+           "concurrency": int(concurrency), "max_tokens": int(max_tokens), **kwargs}
+    proc = subprocess.run([sys.executable, "-m", "dspark_jax.serve.load"], input=json.dumps(job),
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"http_closed_loop_process: the load process failed: {proc.stderr[-2000:]}")
+    return HTTPLoadResult(**json.loads(proc.stdout))
+
+
+def _main() -> None:
+    """``python -m dspark_jax.serve.load`` < job.json: one `http_closed_loop`, its result as JSON on stdout."""
+    job = json.loads(sys.stdin.read())
+    args = [job.pop(k) for k in ("url", "model", "prompts", "concurrency", "max_tokens")]
+    result = asyncio.run(http_closed_loop(*args, **job))
+    print(json.dumps(dataclasses.asdict(result)))
+
+
+if __name__ == "__main__":
+    _main()

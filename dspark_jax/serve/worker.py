@@ -87,6 +87,8 @@ class Metrics:
     request_rounds: int = 0  # sum over rounds of the requests in them
     accepted_length_sum: float = 0.0  # sum over request-rounds of accepted drafts + 1
     drafts_sum: float = 0.0  # sum over request-rounds of scheduled drafts
+    compiled_rounds: int = 0  # rounds that compiled a program (a shape seen for the first time)
+    compiled_seconds: float = 0.0  # their wall time
     running: int = 0
     waiting: int = 0
 
@@ -280,6 +282,9 @@ class EngineWorker:
                 m.request_rounds += stats.active
                 m.accepted_length_sum += float(np.sum(stats.accepted + 1))
                 m.drafts_sum += float(np.sum(stats.scheduled))
+                if stats.compiled:
+                    m.compiled_rounds += 1
+                    m.compiled_seconds += stats.seconds
             m.running = int((eng.slot_request >= 0).sum())
             for rid in finished:
                 req = self._by_id.get(rid)
@@ -327,6 +332,10 @@ def prometheus_text(m: Metrics, model: str, extra: dict[str, Any] | None = None)
            "(divide by dspark_request_rounds_total for the mean accepted length).", [("", "", m.accepted_length_sum)])
     metric("dspark_drafts_sum", "counter", "Sum over request-rounds of scheduled drafts (divide by "
            "dspark_request_rounds_total for the mean drafts per request per round).", [("", "", m.drafts_sum)])
+    metric("dspark_compiled_rounds_total", "counter", "Rounds that compiled a program (a shape seen for the first "
+           "time; --warm-up compiles them before serving).", [("", "", m.compiled_rounds)])
+    metric("dspark_compiled_seconds_total", "counter", "Wall time of the rounds that compiled.",
+           [("", "", f"{m.compiled_seconds:.6f}")])
     for name, value in (extra or {}).items():
         metric(name, "gauge", name.replace("_", " "), [("", "", value)])
     return "\n".join(lines) + "\n"
