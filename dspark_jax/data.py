@@ -1,8 +1,7 @@
 """Drafter training data: target-generated responses, then a compact cache of the target's hidden states.
 
-Stage 1 (`generate_responses`): the target answers the training prompts itself (its chat template, sampled
-with a temperature), in resumable chunks: each finished chunk is one JSONL file written atomically, and a
-restarted run skips the chunks already on disk.
+Stage 1 (`dspark_jax.datagen`): the target answers the training prompts itself, several times each, into
+resumable shards of token ids.
 
 Stage 2 (`build_target_cache`): one teacher-forced pass over every sequence (prompt + response) stores, per
 token, the raw outputs of the tapped layers in bfloat16 (the residual stream can hold large values), the final
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from dspark_jax.io import atomic_write_text
+from dspark_jax.io import atomic_write_file, atomic_write_text
 
 BF16 = ml_dtypes.bfloat16
 
@@ -96,62 +95,6 @@ def parse_turns(line: str, where: str = "prompt") -> tuple[str, ...]:
     return tuple(turns)
 
 
-# ------------------------------------------------------------------------------------------ stage 1
-def generate_responses(model, prompts: Sequence[Prompt], out_dir: str | os.PathLike, *, max_new_tokens: int,
-                       temperatures: Sequence[float], seed: int, num_slots: int, chunk_size: int,
-                       max_prompt_tokens: int, progress: bool = True) -> list[Path]:
-    """Let the target answer ``prompts`` (first turn, chat template), chunk by chunk, resumably.
-
-    Chunk ``c`` is sampled at ``temperatures[c % len(temperatures)]`` (0 = greedy), so the data covers the
-    target's own low- and high-temperature behaviour. Prompts longer than ``max_prompt_tokens`` after the
-    template are skipped (recorded in the chunk file with ``"skipped": true`` so a resumed run does not
-    reconsider them). Returns the chunk files.
-    """
-    from dspark_jax.decoding import plain_generate
-    from tqdm import tqdm
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok = model.tokenizer
-    chunks = [prompts[i : i + chunk_size] for i in range(0, len(prompts), chunk_size)]
-    files = []
-    bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not progress)
-    for c, chunk in enumerate(chunks):
-        path = out_dir / f"chunk_{c:05d}.jsonl"
-        files.append(path)
-        if path.exists():
-            bar.update(len(chunk))
-            continue
-        encoded = [tok.encode_chat([p.turns[0]]) for p in chunk]
-        keep = [i for i, ids in enumerate(encoded) if len(ids) <= max_prompt_tokens]
-        records = {i: {"index": chunk[i].index, "domain": chunk[i].domain, "skipped": True} for i in range(len(chunk))}
-        if keep:
-            temperature = float(temperatures[c % len(temperatures)])
-            results, stats = plain_generate(model, [encoded[i] for i in keep], max_new_tokens, temperature,
-                                            seed=seed + c, num_slots=num_slots, warmup=c == 0)
-            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.0f}")
-            for i, res in zip(keep, results):
-                records[i] = {"index": chunk[i].index, "domain": chunk[i].domain, "skipped": False,
-                              "prompt_ids": res.prompt_ids, "output_ids": res.output_ids,
-                              "finished": res.finished_by_stop, "temperature": temperature}
-        atomic_write_text(path, "".join(json.dumps(records[i]) + "\n" for i in range(len(chunk))))
-        bar.update(len(chunk))
-    bar.close()
-    return files
-
-
-def load_chunks(data_dir: str | os.PathLike) -> dict[str, list[dict]]:
-    """Generated (non-skipped, non-empty) records per chunk file name, in chunk order."""
-    files = sorted(glob.glob(str(Path(data_dir) / "chunk_*.jsonl")))
-    if not files:
-        raise ValueError(f"no generated chunks (chunk_*.jsonl) in {data_dir}; run train.generate_data first")
-    out = {}
-    for f in files:
-        recs = [json.loads(line) for line in open(f) if line.strip()]
-        out[Path(f).stem] = [r for r in recs if not r["skipped"] and r["output_ids"]]
-    return out
-
-
 # ------------------------------------------------------------------------------------------ stage 2
 @dataclasses.dataclass
 class TargetCache:
@@ -169,6 +112,7 @@ class TargetCache:
     lengths: np.ndarray
     prompt_lengths: np.ndarray
     domains: list[str]
+    temperatures: np.ndarray | None = None  # float [num_sequences], each answer's sampling temperature (nan: unknown)
 
     @property
     def num_sequences(self) -> int:
@@ -176,12 +120,7 @@ class TargetCache:
 
 
 def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, arr)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_file(path, lambda f: np.save(f, arr))
 
 
 def build_target_cache(model, chunks: dict[str, Sequence[dict]], out_dir: str | os.PathLike, *,
@@ -201,7 +140,8 @@ def build_target_cache(model, chunks: dict[str, Sequence[dict]], out_dir: str | 
     for name, shard in chunks.items():
         stem = out_dir / name
         meta = [{"index": s["index"], "domain": s["domain"], "prompt_length": len(s["prompt_ids"]),
-                 "length": len(s["prompt_ids"]) + len(s["output_ids"])} for s in shard]
+                 "length": len(s["prompt_ids"]) + len(s["output_ids"]), "temperature": s.get("temperature")}
+                for s in shard]
         entries.append({"shard": stem.name, "sequences": meta})
         if Path(f"{stem}.lse.npy").exists():  # written last: the shard is complete
             bar.update(len(shard))
@@ -239,7 +179,7 @@ def open_target_cache(cache_dir: str | os.PathLike) -> TargetCache:
         raise ValueError(f"{cache_dir}: no index.json; run train.build_cache first")
     index = json.loads(index_path.read_text())
     parts = {"tokens": [], "taps": [], "final": [], "lse": []}
-    offsets, lengths, prompt_lengths, domains = [], [], [], []
+    offsets, lengths, prompt_lengths, domains, temperatures = [], [], [], [], []
     base = 0
     for entry in index["shards"]:
         stem = cache_dir / entry["shard"]
@@ -251,6 +191,7 @@ def open_target_cache(cache_dir: str | os.PathLike) -> TargetCache:
             lengths.append(m["length"])
             prompt_lengths.append(m["prompt_length"])
             domains.append(m["domain"])
+            temperatures.append(np.nan if m.get("temperature") is None else m["temperature"])
             base += m["length"]
     cat = lambda xs: xs[0] if len(xs) == 1 else np.concatenate(xs)  # noqa: E731
     return TargetCache(
@@ -262,6 +203,7 @@ def open_target_cache(cache_dir: str | os.PathLike) -> TargetCache:
         lengths=np.asarray(lengths, np.int64),
         prompt_lengths=np.asarray(prompt_lengths, np.int64),
         domains=domains,
+        temperatures=np.asarray(temperatures, np.float64),
     )
 
 
@@ -351,9 +293,17 @@ class BlockLoader:
             step += 1
 
 
-def token_frequencies(cache: TargetCache, vocab_size: int) -> np.ndarray:
-    """How often each token occurs among assistant tokens (for choosing a reduced draft vocabulary)."""
+def token_frequencies(cache: TargetCache, vocab_size: int, temperature: float | None = None) -> np.ndarray:
+    """How often each token occurs among assistant tokens (for choosing a reduced draft vocabulary).
+
+    With ``temperature`` (e.g. 1.0) only answers sampled at it count, when the cache has any: answers drawn at
+    T = 1 are samples of the target's own distribution, so their counts estimate its probability mass, which is
+    what a draft vocabulary has to cover (greedy answers over-count the most likely tokens)."""
     counts = np.zeros(vocab_size, np.int64)
-    for off, n, p in zip(cache.offsets, cache.lengths, cache.prompt_lengths):
+    use = np.ones(cache.num_sequences, bool)
+    if temperature is not None and cache.temperatures is not None:
+        match = np.isclose(cache.temperatures, temperature)
+        use = match if match.any() else use
+    for off, n, p in zip(cache.offsets[use], cache.lengths[use], cache.prompt_lengths[use]):
         np.add.at(counts, cache.tokens[off + p : off + n], 1)
     return counts

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.models.llama import CONTEXT_STEP, LlamaModel, context_bucket, prefill, prefill_chunks
+from dspark_jax.models.llama import CONTEXT_STEP, LlamaModel, context_bucket, first_argmax, prefill, prefill_chunks
 
 
 @jax.jit
@@ -31,19 +31,23 @@ def sample_tokens(logits: jax.Array, seed: jax.Array, request_ids: jax.Array, po
       seed: int scalar run seed.
       request_ids: int [S] request index of each row.
       positions: int [S] position of the token being sampled (its index in the request's full sequence).
-      temperature: float scalar >= 0.
+      temperature: float scalar or [S] (one per row) >= 0.
     Returns:
       int32 [S] tokens; row r uses the key fold_in(fold_in(key(seed), request_ids[r]), positions[r]).
 
     >>> sample_tokens(jnp.array([[0., 5., 1.]]), 0, jnp.array([0]), jnp.array([3]), 0.0).tolist()
     [1]
+    >>> sample_tokens(jnp.array([[0., 5., 1.], [9., 0., 0.]]), 0, jnp.array([0, 1]), jnp.array([3, 3]),
+    ...               jnp.array([0.0, 1e-3])).tolist()
+    [1, 0]
     """
     base = jax.random.key(seed)
     keys = jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(base, r), p))(request_ids, positions)
     logits = logits.astype(jnp.float32)
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), request_ids.shape)  # [S]
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
-    sampled = jax.vmap(jax.random.categorical)(keys, logits / safe_t)
-    return jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    sampled = jax.vmap(jax.random.categorical)(keys, logits / safe_t[:, None])
+    return jnp.where(temperature > 0, sampled, first_argmax(logits)).astype(jnp.int32)
 
 
 @dataclasses.dataclass

@@ -8,9 +8,9 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
-__all__ = ["check_writable", "atomic_write_text", "atomic_folder", "read_json_object"]
+__all__ = ["check_writable", "atomic_write_text", "atomic_write_file", "atomic_folder", "read_json_object"]
 
 
 def check_writable(path: str | os.PathLike) -> Path:
@@ -34,13 +34,25 @@ def check_writable(path: str | os.PathLike) -> Path:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` atomically (temporary file in the same folder, fsync, rename)."""
+    atomic_write_file(path, lambda f: f.write(text.encode()))
+
+
+def atomic_write_file(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> None:
+    """Call ``write(f)`` on a binary file that appears at ``path`` only once complete (temporary file in the
+    same folder, fsync, rename); on an error ``path`` is untouched.
+
+    >>> import tempfile
+    >>> p = Path(tempfile.mkdtemp()) / "x.bin"
+    >>> atomic_write_file(p, lambda f: f.write(b"abc")); p.read_bytes()
+    b'abc'
+    """
     path = check_writable(path)
     folder = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
         os.chmod(tmp, 0o644)  # mkstemp makes it private; results are meant to be read by others
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -1,6 +1,6 @@
 """Build the target cache (tapped hidden states, final hidden states, log-partitions) of generated data.
 
-    python -m train.build_cache --data runs/data/responses --out runs/data/cache
+    python -m train.build_cache --data data/responses --out runs/data/cache
 """
 
 from __future__ import annotations
@@ -9,16 +9,17 @@ import argparse
 
 from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.sharding import mesh_from_args
-from dspark_jax.data import build_target_cache, load_chunks
+from dspark_jax.data import build_target_cache
+from dspark_jax.datagen import load_responses
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="runs/data/responses")
+    p.add_argument("--data", default="data/responses")
     p.add_argument("--out", default="runs/data/cache")
     add_model_arguments(p, draft=False)
     args = p.parse_args(argv)
-    chunks = load_chunks(args.data)
+    chunks = load_responses(args.data)
     if mesh_from_args(args) is not None:
         p.error("--tensor-parallel-size / --data-parallel-size: this command runs on one device")
     model = load_target(args.model, dtype=args.dtype)

@@ -584,6 +584,30 @@ def decode_step(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, active
     return logits_from_hidden(weights, extras.final_hidden), extras, new_cache
 
 
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def copy_slot(cache: KVCache, src: jax.Array, dst: jax.Array, length: jax.Array) -> KVCache:
+    """Slot ``dst`` takes slot ``src``'s first ``length`` positions as its committed prefix (prompt sharing:
+    K/V at a position depend only on the tokens up to it, so a prompt prefilled once serves every answer to it).
+
+    The whole row is copied; entries at ``length`` and beyond are uncommitted and get overwritten before they are
+    visible. The cache is donated.
+
+    Args:
+      src, dst: int scalar slots (may be equal). length: int scalar, at most ``lengths[src]`` for a valid prefix.
+    Returns:
+      The cache with ``lengths[dst] = length``.
+
+    >>> cfg = LlamaConfig.tiny()
+    >>> c = init_cache(cfg, 2, 16)
+    >>> c = copy_slot(c.replace(k=c.k.at[:, 0].set(1.0)), 0, 1, 5)
+    >>> float(c.k[:, 1].min()), c.lengths.tolist()
+    (1.0, [0, 5])
+    """
+    k = lax.dynamic_update_index_in_dim(cache.k, lax.dynamic_index_in_dim(cache.k, src, 1, keepdims=False), dst, 1)
+    v = lax.dynamic_update_index_in_dim(cache.v, lax.dynamic_index_in_dim(cache.v, src, 1, keepdims=False), dst, 1)
+    return cache.replace(k=k, v=v, lengths=cache.lengths.at[dst].set(length))
+
+
 def check_packed(cache: KVCache, tokens, slots, positions, valid, max_per_slot: int | None = None) -> None:
     """Validate a packed batch on the host (un-jitted): raises ValueError naming the argument."""
     tokens, slots, positions, valid = (np.asarray(a) for a in (tokens, slots, positions, valid))
