@@ -9,6 +9,7 @@ by our exporter (checked against DeepSpec's loader by the export test), so they 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import json
@@ -202,6 +203,10 @@ def test_export_refuses_what_deepspec_cannot_express():
     d = nnx.eval_shape(lambda: dr.Drafter(cfg, rngs=nnx.Rngs(0)))  # the refusal reads the config only
     with pytest.raises(ValueError, match="qk_norm"):
         save_deepspec_drafter(d, "/nonexistent/x")
+    normed = nnx.eval_shape(lambda: dr.Drafter(dataclasses.replace(cfg, qk_norm=True, tap_norm=True),
+                                               rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="tap_norm"):
+        save_deepspec_drafter(normed, "/nonexistent/x")
 
 
 def _hf_config(**over):

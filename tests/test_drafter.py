@@ -173,3 +173,23 @@ def test_context_cache_matches_full_recompute(target):
     want = recompute(d)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+def test_tap_norm_puts_every_tap_on_one_scale(tmp_path):
+    """With tap_norm each tapped layer is RMS-normalised on its own: scaling one tap changes nothing, while the
+    plain drafter sees it; the per-tap scales are parameters that save and load with the drafter."""
+    from dspark_jax.models.drafter_files import load_drafter, save_drafter
+
+    cfg = dr.DrafterConfig.for_target(TARGET, rank=8, block=4, n_layers=1, ffn_dim=48, tap_norm=True)
+    d = dr.Drafter(cfg, rngs=nnx.Rngs(0))
+    d.tap_scale[...] = 1.0 + 0.1 * jax.random.normal(jax.random.key(3), d.tap_scale[...].shape)
+    plain = dr.Drafter(dr.DrafterConfig.for_target(TARGET, rank=8, block=4, n_layers=1, ffn_dim=48),
+                       rngs=nnx.Rngs(0))
+    taps = context(2, 6)
+    scaled = taps.at[..., 3, :].multiply(40.0)  # one layer 40 x louder, as deep layers are
+    np.testing.assert_allclose(d.context_features(scaled), d.context_features(taps), rtol=1e-4, atol=1e-5)
+    assert not np.allclose(plain.context_features(scaled), plain.context_features(taps), atol=1e-3)
+    save_drafter(d, tmp_path / "d")
+    back, _ = load_drafter(tmp_path / "d")
+    assert back.cfg.tap_norm
+    np.testing.assert_allclose(back.context_features(taps), d.context_features(taps), rtol=1e-2, atol=1e-2)

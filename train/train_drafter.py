@@ -80,6 +80,8 @@ def main(argv=None):
     p.add_argument("--rank", type=int, default=None, help="Markov / RNN head rank (default: the spec's 256, or "
                                                           "the --init-from drafter's)")
     p.add_argument("--block", type=int, default=None, help=f"default {FRESH_DEFAULTS['block']}")
+    p.add_argument("--tap-norm", action="store_true",
+                   help="RMS-normalise each tapped target layer before the context projection (new drafters)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help=f"0 = full target vocabulary (default {FRESH_DEFAULTS['draft_vocab']})")
     p.add_argument("--blocks", type=int, default=256, help="blocks per batch")
@@ -96,6 +98,7 @@ def main(argv=None):
             p.error(f"--train {args.train} trains part of an existing drafter: name it with --init-from DRAFTER")
     else:
         given = [f"--{k.replace('_', '-')}" for k in FRESH_DEFAULTS if getattr(args, k) is not None]
+        given += ["--tap-norm"] if args.tap_norm else []
         if given:
             p.error(f"{', '.join(given)}: the architecture comes from --init-from {args.init_from}; drop them")
         if args.init_from not in SHIPPED and not Path(args.init_from).exists():
@@ -109,7 +112,8 @@ def main(argv=None):
     mesh = mesh_from_args(args)  # data-parallel training over --data-parallel-size devices
     target = load_target(args.model, dtype=args.dtype)
     check_cache_fits(cache, args.cache, target.cfg)
-    freqs = data.token_frequencies(cache, target.cfg.vocab_size)
+    # the draft vocabulary covers the target's probability mass: token counts of its T = 1 answers estimate it
+    freqs = data.token_frequencies(cache, target.cfg.vocab_size, temperature=1.0)
     dspark = args.kind == "dspark"
     fresh: list[str] = []
     if args.init_from is None:
@@ -119,6 +123,7 @@ def main(argv=None):
             target.cfg, n_layers=arch["layers"], ffn_dim=arch["ffn"], block=arch["block"],
             rank=256 if args.rank is None else args.rank, head=(args.head or "markov") if dspark else "none",
             confidence=dspark, draft_vocab_size=0 if len(vocab) == target.cfg.vocab_size else len(vocab),
+            tap_norm=args.tap_norm,
         )
         drafter = Drafter(cfg, rngs=nnx.Rngs(args.seed), vocab_ids=vocab)
         source = None
@@ -143,7 +148,7 @@ def main(argv=None):
     n_params, n_train = heads.count_params(drafter), heads.count_params(drafter, trainable)
     print(f"{args.kind}: {n_train / 1e6:.2f}M of {n_params / 1e6:.2f}M parameters trained (--train {args.train}"
           + (f", from {source}, new: {', '.join(fresh) or 'none'}" if source is not None else "")
-          + f"), draft vocabulary {len(vocab)} ({covered:.2%} of assistant tokens), {loader.num_tokens} tokens "
+          + f"), draft vocabulary {len(vocab)} ({covered:.2%} of sampled assistant tokens), {loader.num_tokens} tokens "
           f"in {cache.num_sequences} sequences")
     tc = training.TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed)
     t0 = time.perf_counter()

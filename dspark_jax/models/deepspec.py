@@ -384,6 +384,9 @@ def save_deepspec_drafter(drafter: Drafter, folder: str | os.PathLike, *, embed:
     if not cfg.qk_norm:
         raise ValueError("save_deepspec_drafter: DeepSpec's Qwen3 layers normalise queries and keys; this drafter "
                          "has qk_norm=False, which they cannot express")
+    if cfg.tap_norm:
+        raise ValueError("save_deepspec_drafter: DeepSpec drafters project the raw tapped layers; this drafter "
+                         "normalises each tap first (tap_norm=True), which they cannot express")
     if cfg.draft_vocab != cfg.vocab_size:
         raise ValueError(f"save_deepspec_drafter: DeepSpec drafters propose from the full vocabulary; this drafter "
                          f"has a reduced draft vocabulary of {cfg.draft_vocab} of {cfg.vocab_size} tokens")

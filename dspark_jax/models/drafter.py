@@ -64,6 +64,7 @@ class DrafterConfig:
     own_embeddings: bool = False  # its own embedding [V, D] and LM head [D, W], not the target's
     confidence_prev: bool = True  # the confidence head reads [h_k ; W1[x_k]]; False: h_k alone
     tap_layers: tuple[int, ...] | None = None  # the target layers it reads; None: whatever the target taps
+    tap_norm: bool = False  # RMSNorm each tapped layer (own scale per tap) before the context projection
 
     def __post_init__(self):
         if self.tap_layers is not None:
@@ -215,6 +216,10 @@ class Drafter(nnx.Module):
         to_draft[vocab_ids] = np.arange(W, dtype=np.int32)
         self.vocab_ids = Buffer(jnp.asarray(vocab_ids))  # [W] draft index -> token id
         self.to_draft = Buffer(jnp.asarray(to_draft))  # [V] token id -> draft index (W if absent)
+        if cfg.tap_norm:
+            # The target's layers differ in scale by 10x and more (the residual stream grows with depth, with a
+            # few outlier dimensions); normalising each tap lets the projection weigh them on one scale.
+            self.tap_scale = nnx.Param(jnp.ones((cfg.n_taps, D), jnp.float32))
         self.ctx_proj = nnx.Linear(cfg.n_taps * D, D, use_bias=False, kernel_init=_init(), rngs=rngs)
         self.ctx_norm = nnx.RMSNorm(D, epsilon=cfg.norm_eps, rngs=rngs)
         if cfg.mask_token is None:
@@ -239,7 +244,12 @@ class Drafter(nnx.Module):
 
     # ------------------------------------------------------------------ backbone
     def context_features(self, taps: jax.Array) -> jax.Array:
-        """H_ctx = RMSNorm(W_c [h_l1; ...; h_lM]): [..., M, D] -> [..., D]."""
+        """H_ctx = RMSNorm(W_c [h_l1; ...; h_lM]): [..., M, D] -> [..., D] (with ``tap_norm``, each h_l is
+        RMS-normalised and scaled by its own learned vector first)."""
+        if self.cfg.tap_norm:
+            t = taps.astype(jnp.float32)
+            t = t * jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + self.cfg.norm_eps)
+            taps = t * self.tap_scale[...]
         flat = taps.reshape(*taps.shape[:-2], -1).astype(self.ctx_proj.kernel[...].dtype)
         return self.ctx_norm(self.ctx_proj(flat))
 
