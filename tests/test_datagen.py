@@ -100,3 +100,24 @@ def test_cli_refuses_dev_prompts_and_bad_samples(tmp_path, capsys):
     with pytest.raises(SystemExit):
         generate_data.main(["--prompts", str(tmp_path), "--samples", "-1", "--out", str(tmp_path / "o")])
     assert "--samples" in capsys.readouterr().err
+
+
+def test_bench_datagen_rows(small, monkeypatch, tmp_path):
+    """The generator benchmark end to end on a small model (plumbing; its timings mean nothing here): both
+    generators answer the same prompts, and the new one gives one answer per sample."""
+    from profiling import bench_datagen
+
+    monkeypatch.setattr(bench_datagen, "load_target", lambda model=None, dtype=None: small)
+    rows = bench_datagen.main(["--prompts", "3", "--max-new-tokens", "4", "--max-prompt-tokens", "64", "--slots", "4",
+                               "--old-slots", "2", "--samples", "0", "1", "--json", str(tmp_path / "b.json")])
+    assert [r["answers"] for r in rows] == [3, 6]
+    assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert json.loads((tmp_path / "b.json").read_text())["ratio"] > 0
+
+
+def test_bench_attention_ways_agree():
+    """The three attention layouts compute the same thing (the script checks it) and each row has its ratios."""
+    from profiling import bench_attention
+
+    rows = bench_attention.main(["--layers", "2", "--slots", "2", "--context", "16", "--repeats", "1"])
+    assert rows[0]["scan_over_arrays"] > 0 and rows[0]["static_over_arrays"] > 0
