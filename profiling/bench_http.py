@@ -1,7 +1,7 @@
 """HTTP serving benchmark: the OpenAI-compatible server under N concurrent streaming clients, against the
 in-process closed loop on the same engine, in one run.
 
-    python -m profiling.bench_http --quick                       # none and dspark at 1 and 2 clients, < 1 min
+    python -m profiling.bench_http --quick                       # none and dspark at 2 clients, < 1 min
     python -m profiling.bench_http --policies none dspark --concurrency 1 16 --json runs/http.json
     python -m profiling.bench_http --url http://127.0.0.1:8000 --served-model-name SmolLM2-135M-Instruct
 
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-burn-in", dest="burn_in", action="store_false",
                    help="skip the unmeasured pair of windows before each point (compiles land in measured windows)")
     p.add_argument("--quick", action="store_true",
-                   help="none and dspark at 1 and 2 clients, short windows, 1 pair, no burn-in")
+                   help="none and dspark at 2 clients, short windows, 1 pair, no burn-in")
     p.add_argument("--json", metavar="PATH", help="write the rows and the machine as JSON")
     return p
 
@@ -164,7 +164,7 @@ def paired_point(engine, tokenizer, prompts, n, args) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
     if args.quick:
-        args.concurrency, args.max_new_tokens, args.repeats, args.burn_in = [1, 2], 16, 1, False
+        args.concurrency, args.max_new_tokens, args.repeats, args.burn_in = [2], 16, 1, False
         args.warmup_tokens, args.measure_tokens, args.max_prompt_tokens = 16, 48, 128
     for pol in args.policies:
         try:
