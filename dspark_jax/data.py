@@ -119,10 +119,6 @@ class TargetCache:
         return len(self.lengths)
 
 
-def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
-    atomic_write_file(path, lambda f: np.save(f, arr))
-
-
 def build_target_cache(model, chunks: dict[str, Sequence[dict]], out_dir: str | os.PathLike, *,
                        progress: bool = True) -> Path:
     """Teacher-forced pass over every sequence; one shard per generated chunk,
@@ -161,10 +157,10 @@ def build_target_cache(model, chunks: dict[str, Sequence[dict]], out_dir: str | 
             finals.append(np.asarray(final)[:n])
             lses.append(np.asarray(lse_fn(model.weights, final.astype(jnp.float32)), np.float32)[:n])
             bar.update(1)
-        _save_npy_atomic(Path(f"{stem}.tokens.npy"), np.concatenate(toks))
-        _save_npy_atomic(Path(f"{stem}.taps.npy"), np.concatenate(taps).view(np.uint16))
-        _save_npy_atomic(Path(f"{stem}.final.npy"), np.concatenate(finals))
-        _save_npy_atomic(Path(f"{stem}.lse.npy"), np.concatenate(lses))
+        arrays = {"tokens": np.concatenate(toks), "taps": np.concatenate(taps).view(np.uint16),
+                  "final": np.concatenate(finals), "lse": np.concatenate(lses)}
+        for name, arr in arrays.items():
+            atomic_write_file(Path(f"{stem}.{name}.npy"), lambda f, a=arr: np.save(f, a))
     bar.close()
     index = {"shards": entries, "tap_layers": list(model.cfg.tap_layers), "dim": model.cfg.dim}
     atomic_write_text(out_dir / "index.json", json.dumps(index) + "\n")

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.models.llama import CONTEXT_STEP, LlamaModel, context_bucket, first_argmax, prefill, prefill_chunks
+from dspark_jax.models.llama import (CONTEXT_STEP, KVCache, LlamaModel, context_bucket, copy_slot, first_argmax,
+                                     prefill, prefill_chunks)
 
 
 @jax.jit
@@ -105,7 +106,10 @@ def plain_generate(model: LlamaModel, prompt_ids_list: Sequence[Sequence[int]], 
     cache = model.init_cache(S, capacity)
     temp = jnp.float32(temperature)
     if warmup:
-        cache = _warm_up(model, cache, prompt_ids_list, seed, temp)
+        shortest = min(len(p) for p in prompt_ids_list)
+        contexts = {context_bucket(n, capacity) for n in range(shortest + 1, capacity + 1, CONTEXT_STEP)} | {capacity}
+        cache = warm_up(model, cache, prefill_sizes={size for p in prompt_ids_list for size, _ in prefill_chunks(len(p))},
+                        contexts=contexts, temperature=temp, seed=seed)
 
     def sample(logits, requests, positions):
         return np.asarray(sample_tokens(logits, seed, jnp.asarray(requests, jnp.int32),
@@ -156,18 +160,33 @@ def plain_generate(model: LlamaModel, prompt_ids_list: Sequence[Sequence[int]], 
     return results, GenerationStats(generated_tokens=generated, seconds=seconds, decode_steps=steps)
 
 
-def _warm_up(model: LlamaModel, cache, prompt_ids_list, seed, temp):
-    """Run each step function once on the run's shapes (prefill chunks the prompts need, decode, sampling)."""
+def warm_up(model: LlamaModel, cache: KVCache, *, prefill_sizes, contexts, temperature=0.0, seed: int = 0,
+            copy: bool = False) -> KVCache:
+    """Compile what a plain decoding loop over ``cache`` runs, before a clock starts: the prefill of each chunk
+    size, a decode step at each attention window, the sampler over all rows and over one row, and (``copy``)
+    `copy_slot`. Writes land in slot 0 and nothing is committed that a later prefill does not overwrite.
+
+    Args:
+      model: the target. cache: the loop's cache (donated; the returned one replaces it).
+      prefill_sizes: chunk sizes (each of `models.llama.PREFILL_CHUNKS` the prompts need).
+      contexts: attention windows (`context_bucket` values) the loop can use.
+      temperature: the sampler's temperature as the loop passes it: a scalar, or one per row ([S]).
+      seed: the sampler's seed.
+    Returns:
+      the cache.
+    """
     S = cache.num_slots
-    sizes = {size for p in prompt_ids_list for size, _ in prefill_chunks(len(p))}
-    for size in sizes:  # one valid token: any chunk size fits any capacity
+    for size in sorted(prefill_sizes):  # one valid token: any chunk size fits any capacity
         _, _, cache = prefill(model.weights, cache, jnp.zeros(size, jnp.int32), jnp.int32(0), jnp.int32(0),
                               jnp.int32(1), model.cfg)
-    shortest = min(len(p) for p in prompt_ids_list)
-    contexts = sorted({context_bucket(n, cache.capacity) for n in range(shortest + 1, cache.capacity + 1, CONTEXT_STEP)}
-                      | {cache.capacity})
-    for context in contexts:  # every attention window the run can use
+    if copy:
+        cache = copy_slot(cache, np.int32(0), np.int32(1 % S), np.int32(1))
+    logits = None
+    for context in sorted(contexts):
         logits, _, cache = model.decode(cache, np.zeros(S, np.int32), np.zeros(S, bool), context=context)
-    sample_tokens(logits, seed, jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.int32), temp).block_until_ready()
-    sample_tokens(logits[:1], seed, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), temp).block_until_ready()
+    temperature = jnp.asarray(temperature, jnp.float32)
+    one = temperature if temperature.ndim == 0 else temperature[:1]
+    z = jnp.zeros(S, jnp.int32)
+    sample_tokens(logits, seed, z, z, temperature).block_until_ready()
+    sample_tokens(logits[:1], seed, z[:1], z[:1], one).block_until_ready()
     return cache

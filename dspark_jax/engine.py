@@ -277,7 +277,7 @@ def engine_state_axes(state: EngineState):
     from dspark_jax.sharding import Axes, drafter_cache_axes, kv_cache_axes  # noqa: PLC0415
 
     return EngineState(
-        cache=kv_cache_axes(), dcache=None if state.dcache is None else drafter_cache_axes(),
+        cache=kv_cache_axes(len(state.cache.k)), dcache=None if state.dcache is None else drafter_cache_axes(),
         anchor=Axes("slots"), active=Axes("slots"), request=Axes("slots"), seed=Axes("slots"),
         temperature=Axes("slots"), top_p=Axes("slots"), generated=Axes("slots"),
         max_new=Axes("slots"), conf_hist=Axes(None, "slots", None),

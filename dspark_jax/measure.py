@@ -256,7 +256,7 @@ def _verify_step(weights: LlamaWeights, cfg: LlamaConfig, *, rows: int, batch_to
     cache = init_cache(cfg, rows, W, weights.embed.dtype)
     cache = cache.replace(lengths=jnp.full((rows,), context, jnp.int32))
     mesh = mesh_of(weights.embed)
-    state = {"cache": put(cache) if mesh is None else place(cache, kv_cache_axes(), mesh)}
+    state = {"cache": put(cache) if mesh is None else place(cache, kv_cache_axes(cfg.n_layers), mesh)}
 
     def step():
         logits, extras, state["cache"] = forward_packed(weights, state["cache"], tokens, slots, positions, valid,

@@ -279,21 +279,25 @@ def place(tree: Any, axes: Any, mesh: Mesh, *, units: Mapping[str, int] | None =
 
 
 def target_axes(weights: LlamaWeights) -> LlamaWeights:
-    """Logical axes of the target's weights (`LlamaWeights`, layers stacked on a leading axis)."""
-    lw = LayerWeights(
-        attn_norm=Axes("layers", "embed"), wq=Axes("layers", "embed", "heads"),
-        wk=Axes("layers", "embed", "kv_heads"), wv=Axes("layers", "embed", "kv_heads"),
-        wo=Axes("layers", "heads", "embed"), mlp_norm=Axes("layers", "embed"),
-        w_gate=Axes("layers", "embed", "ffn"), w_up=Axes("layers", "embed", "ffn"),
-        w_down=Axes("layers", "ffn", "embed"))
-    return LlamaWeights(embed=Axes("vocab", "embed"), layers=lw, final_norm=Axes("embed"),
-                        lm_head=None if weights.lm_head is None else Axes("embed", "vocab"))
+    """Logical axes of the target's weights (`LlamaWeights`, one `LayerWeights` per layer)."""
+    def layer(lw: LayerWeights) -> LayerWeights:
+        opt = lambda a, ax: None if a is None else ax
+        return LayerWeights(
+            attn_norm=Axes("embed"), wq=Axes("embed", "heads"), wk=Axes("embed", "kv_heads"),
+            wv=Axes("embed", "kv_heads"), wo=Axes("heads", "embed"), mlp_norm=Axes("embed"),
+            w_gate=Axes("embed", "ffn"), w_up=Axes("embed", "ffn"), w_down=Axes("ffn", "embed"),
+            q_norm=opt(lw.q_norm, Axes(None)), k_norm=opt(lw.k_norm, Axes(None)),
+            bq=opt(lw.bq, Axes("heads")), bk=opt(lw.bk, Axes("kv_heads")), bv=opt(lw.bv, Axes("kv_heads")))
+
+    return LlamaWeights(embed=Axes("vocab", "embed"), layers=tuple(layer(lw) for lw in weights.layers),
+                        final_norm=Axes("embed"), lm_head=None if weights.lm_head is None else Axes("embed", "vocab"))
 
 
-def kv_cache_axes() -> KVCache:
-    """Logical axes of the target's `KVCache` (k [L, S, K, E, C], v [L, S, K, C, E], lengths [S])."""
-    return KVCache(k=Axes("layers", "slots", "kv_heads", None, None),
-                   v=Axes("layers", "slots", "kv_heads", None, None), lengths=Axes("slots"))
+def kv_cache_axes(n_layers: int) -> KVCache:
+    """Logical axes of the target's `KVCache` of ``n_layers`` layers (per layer k [S, K, E, C],
+    v [S, K, C, E]; lengths [S])."""
+    return KVCache(k=tuple(Axes("slots", "kv_heads", None, None) for _ in range(n_layers)),
+                   v=tuple(Axes("slots", "kv_heads", None, None) for _ in range(n_layers)), lengths=Axes("slots"))
 
 
 def drafter_cache_axes() -> DrafterCache:

@@ -1,7 +1,7 @@
 """Where the time of a decoding step and of a decoding round goes, beside the target's weights-only floor.
 
 The floor (:func:`weights_only_forward`) runs the target's weight matmuls only: the embedding lookup, the
-same scanned layers' RMSNorms, Q/K/V/O projections and FFN, and the LM head, with no attention and no
+same per-layer RMSNorms, Q/K/V/O projections and FFN, and the LM head, with no attention and no
 cache. A decode or verification step over ``T`` tokens cannot cost less than the floor at ``T`` tokens, so
 its ratio to the floor is what attention, the cache and the packing add (:func:`target_step_rows`).
 
@@ -45,8 +45,7 @@ __all__ = ["interleaved", "round_stage_rows", "target_step_rows", "weights_only_
 def weights_only_forward(weights: LlamaWeights, tokens: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """The target's weight matmuls alone: what a step over ``T`` tokens cannot go below.
 
-    The layers are scanned as in the model (one compiled body, per-layer weights sliced from the stacks);
-    in place of attention each query head is multiplied by its key/value head's ``k + v`` (an elementwise
+    The layers run unrolled over per-layer weights, as in the model; in place of attention each query head is multiplied by its key/value head's ``k + v`` (an elementwise
     stand-in that keeps the K and V projections live), so no cache is read or written.
 
     Args:
@@ -64,16 +63,18 @@ def weights_only_forward(weights: LlamaWeights, tokens: jax.Array, cfg: LlamaCon
     T = tokens.shape[0]
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 
-    def layer(x, lw: LayerWeights):  # one layer's slice of the stacks
+    def layer(x, lw: LayerWeights):
         h = rms_norm(x, lw.attn_norm, cfg.norm_eps)
         q, k, v = h @ lw.wq, h @ lw.wk, h @ lw.wv  # [T, H*E], [T, K*E], [T, K*E]
         mixed = q.reshape(T, K, H // K, E) * (k + v).reshape(T, K, 1, E)  # [T, K, Q, E]
         x = x + mixed.reshape(T, H * E) @ lw.wo
         h = rms_norm(x, lw.mlp_norm, cfg.norm_eps)
         x = x + (jax.nn.silu(h @ lw.w_gate) * (h @ lw.w_up)) @ lw.w_down
-        return x, None
+        return x
 
-    x, _ = lax.scan(layer, weights.embed[tokens], weights.layers)  # [T, D]
+    x = weights.embed[tokens]  # [T, D]
+    for lw in weights.layers:
+        x = layer(x, lw)
     return logits_from_hidden(weights, rms_norm(x, weights.final_norm, cfg.norm_eps))
 
 

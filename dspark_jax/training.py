@@ -7,7 +7,10 @@ Loss (spec section 5), each term a weighted mean over block slots with weights `
 * L1 = ``||p_d - p_t||_1`` over the full target vocabulary (a reduced draft vocabulary puts zero draft mass
   on the other tokens, so their target mass counts in full);
 * confidence BCE against ``c* = 1 - L1 / 2``, the exact acceptance probability of the slot given its
-  prefix (detached).
+  prefix (detached);
+* optionally (``kl`` > 0) a distillation term: the cross-entropy ``-sum_w p_t(w) log p_d(w)`` of the draft
+  distribution against the target's over the draft vocabulary (the KL divergence up to the target's entropy,
+  a constant). Every token of the target's distribution teaches, not only the sampled label; off by default.
 
 ``L = 0.1 CE + 0.9 L1 + 1.0 BCE`` for DSpark; a DFlash baseline uses ``L = CE``.
 """
@@ -40,6 +43,7 @@ class LossConfig:
     l1: float = 0.9
     conf: float = 1.0
     decay: float = 4.0  # w_k = exp(-k / decay)
+    kl: float = 0.0  # distillation: soft cross-entropy against the target's distribution (module docstring)
 
     @classmethod
     def dflash(cls) -> "LossConfig":
@@ -86,6 +90,7 @@ def block_loss(drafter: Drafter, batch: dict[str, jax.Array], embed: jax.Array, 
     in_vocab = label_idx < cfg.draft_vocab
     ce = -jnp.take_along_axis(logp, jnp.minimum(label_idx, cfg.draft_vocab - 1)[..., None], axis=-1)[..., 0]
     bce = optax.sigmoid_binary_cross_entropy(conf_logits, c_star)
+    soft_ce = -jnp.sum(p_t * logp, axis=-1)  # [N, B, G]
 
     w = jnp.exp(-jnp.arange(G, dtype=jnp.float32) / loss_cfg.decay) * valid  # [N, B, G]
     w_ce = w * in_vocab
@@ -93,8 +98,8 @@ def block_loss(drafter: Drafter, batch: dict[str, jax.Array], embed: jax.Array, 
     def mean(x, ww):
         return jnp.sum(x * ww) / jnp.maximum(jnp.sum(ww), 1e-6)
 
-    terms = {"ce": mean(ce, w_ce), "l1": mean(l1, w), "conf": mean(bce, w)}
-    loss = loss_cfg.ce * terms["ce"] + loss_cfg.l1 * terms["l1"]
+    terms = {"ce": mean(ce, w_ce), "l1": mean(l1, w), "conf": mean(bce, w), "kl": mean(soft_ce, w)}
+    loss = loss_cfg.ce * terms["ce"] + loss_cfg.l1 * terms["l1"] + loss_cfg.kl * terms["kl"]
     if cfg.confidence:
         loss = loss + loss_cfg.conf * terms["conf"]
     denom = jnp.maximum(jnp.sum(valid, axis=(0, 1)), 1.0)

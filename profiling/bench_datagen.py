@@ -23,8 +23,9 @@ import numpy as np
 from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.data import load_prompts
 from dspark_jax.datagen import generate_responses
-from dspark_jax.decoding import plain_generate, sample_tokens
-from dspark_jax.models.llama import CONTEXT_STEP, PREFILL_CHUNKS, context_bucket, copy_slot
+from dspark_jax import decoding
+from dspark_jax.decoding import plain_generate
+from dspark_jax.models.llama import CONTEXT_STEP, PREFILL_CHUNKS, context_bucket
 from dspark_jax.serving import shipped_prompts_dir
 from dspark_jax.timing import device_info, format_table, write_json
 
@@ -46,20 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def warm_up(model, slots: int, capacity: int) -> None:
+def warm_up_generator(model, slots: int, capacity: int) -> None:
     """Compile what `generate_responses` runs on a (slots, capacity) cache: every decode context, the prefill
-    chunks, the prompt copy, the samplers."""
-    cache = model.init_cache(slots, capacity)
-    for size in PREFILL_CHUNKS:
-        if size <= capacity:
-            _, _, cache = model.prefill(cache, [1] * size, 0)
-    cache = copy_slot(cache, np.int32(0), np.int32(1 % slots), np.int32(1))
-    logits = None
-    for context in range(CONTEXT_STEP, capacity + 1, CONTEXT_STEP):
-        logits, _, cache = model.decode(cache, np.zeros(slots, np.int32), np.zeros(slots, bool), context=context)
-    z = jnp.zeros(slots, jnp.int32)
-    sample_tokens(logits, 0, z, z, jnp.zeros(slots, jnp.float32)).block_until_ready()
-    sample_tokens(logits[:1], 0, z[:1], z[:1], jnp.zeros(1, jnp.float32)).block_until_ready()
+    chunks, the prompt copy, the samplers (one temperature per row)."""
+    decoding.warm_up(model, model.init_cache(slots, capacity), prefill_sizes=[c for c in PREFILL_CHUNKS if c <= capacity],
+                     contexts=range(CONTEXT_STEP, capacity + 1, CONTEXT_STEP), temperature=jnp.zeros(slots), copy=True)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -84,7 +76,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                  "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds})
 
     capacity = context_bucket(args.max_prompt_tokens + args.max_new_tokens, 1 << 30)
-    warm_up(model, args.slots, capacity)
+    warm_up_generator(model, args.slots, capacity)
     with tempfile.TemporaryDirectory() as out:
         t0 = time.perf_counter()
         s = generate_responses(model, prompts, out, temperatures=args.samples, max_new_tokens=args.max_new_tokens,

@@ -5,7 +5,7 @@ and both beside the weights-only floor at the same token count.
 
 Floor table (`dspark_jax.stages.target_step_rows`): at contexts 256 and 1024 and 1, 4, 16, 64 slots (quick:
 1 and 4 slots), the decode step (one token per slot) and the verification of 8 tokens per slot, each timed
-in turns with the weights-only program (the same scanned layers' weight matmuls and LM head, no attention, no
+in turns with the weights-only program (the same per-layer weight matmuls and LM head, no attention, no
 cache) at the same token count; ratio = step / floor, both measured in this run. ``--quick`` prints this
 table only.
 
@@ -34,9 +34,9 @@ def filled_cache(model: LlamaModel, num_slots: int, capacity: int, context: int)
     text = "The quick brown fox jumps over the lazy dog. " * (context // 8 + 1)
     ids = model.tokenizer.encode(text)[:context]
     _, _, cache = model.prefill(model.init_cache(1, capacity), ids, 0)
-    k = jnp.broadcast_to(cache.k, (cache.k.shape[0], num_slots, *cache.k.shape[2:]))
-    v = jnp.broadcast_to(cache.v, (cache.v.shape[0], num_slots, *cache.v.shape[2:]))
-    return cache.replace(k=k + 0, v=v + 0, lengths=jnp.full((num_slots,), context, jnp.int32))
+    spread = lambda a: jnp.broadcast_to(a, (num_slots, *a.shape[1:])) + 0  # slot 0's entries in every slot
+    return cache.replace(k=tuple(map(spread, cache.k)), v=tuple(map(spread, cache.v)),
+                         lengths=jnp.full((num_slots,), context, jnp.int32))
 
 
 def bench_decode(model, slots_list, context, repeats):

@@ -101,9 +101,10 @@ def test_config_from_metadata(target):
     assert cfg == dataclasses.replace(SMOLLM2_135M, norm_eps=cfg.norm_eps)  # eps is stored as float32
     np.testing.assert_allclose(cfg.norm_eps, 1e-5, rtol=1e-6)
     assert cfg.tap_layers == (1, 8, 14, 20, 27) and target.weights.lm_head is None
-    assert target.weights.layers.wq.shape == (30, 576, 576)
-    assert target.weights.layers.wk.shape == (30, 576, 192)
-    assert target.weights.layers.w_down.shape == (30, 1536, 576)
+    assert len(target.weights.layers) == 30
+    assert target.weights.stacked("wq").shape == (30, 576, 576)
+    assert target.weights.layers[0].wk.shape == (576, 192)
+    assert target.weights.layers[29].w_down.shape == (1536, 576)
 
 
 def _llamacpp_permute(w, n_heads):
@@ -133,11 +134,11 @@ def test_unpermute_inverts_llamacpp_and_rope_layouts_agree():
 def test_dequantized_weights_match_transformers(target, hf_model):
     """Our dequantization + transposes + un-permutation give the very tensors transformers builds."""
     layer = hf_model.model.layers[3]
-    w = target.weights.layers
-    pairs = [(w.wq[3], layer.self_attn.q_proj), (w.wk[3], layer.self_attn.k_proj),
-             (w.wv[3], layer.self_attn.v_proj), (w.wo[3], layer.self_attn.o_proj),
-             (w.w_gate[3], layer.mlp.gate_proj), (w.w_up[3], layer.mlp.up_proj), (w.w_down[3], layer.mlp.down_proj)]
+    w = target.weights.layers[3]
+    pairs = [(w.wq, layer.self_attn.q_proj), (w.wk, layer.self_attn.k_proj),
+             (w.wv, layer.self_attn.v_proj), (w.wo, layer.self_attn.o_proj),
+             (w.w_gate, layer.mlp.gate_proj), (w.w_up, layer.mlp.up_proj), (w.w_down, layer.mlp.down_proj)]
     for ours, ref in pairs:
         np.testing.assert_array_equal(np.asarray(ours), ref.weight.detach().numpy().T)
     np.testing.assert_array_equal(np.asarray(target.weights.embed), hf_model.model.embed_tokens.weight.detach().numpy())
-    np.testing.assert_array_equal(np.asarray(w.attn_norm[3]), layer.input_layernorm.weight.detach().numpy())
+    np.testing.assert_array_equal(np.asarray(w.attn_norm), layer.input_layernorm.weight.detach().numpy())

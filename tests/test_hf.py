@@ -299,8 +299,8 @@ def test_stop_ids_from_config_without_generation_config(bad):
 def test_dtype_option(folders):
     path, _, _ = folders["qwen3"]
     model = load_target(path, dtype="bfloat16")
-    assert model.dtype == jnp.bfloat16 and model.weights.layers.q_norm.dtype == jnp.bfloat16
-    assert model.weights.layers.wq.shape == (2, 64, 4 * 32)  # [L, D, H*E]
+    assert model.dtype == jnp.bfloat16 and model.weights.layers[0].q_norm.dtype == jnp.bfloat16
+    assert model.weights.stacked("wq").shape == (2, 64, 4 * 32)  # [L, D, H*E]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -387,7 +387,7 @@ def test_sharded_checkpoint_loads(folders, tmp_path):
     ref.save_pretrained(sharded, max_shard_size="100KB")
     assert (sharded / "model.safetensors.index.json").is_file()
     a, b = load_hf_model(path), load_hf_model(sharded)
-    np.testing.assert_array_equal(np.asarray(a.weights.layers.w_down), np.asarray(b.weights.layers.w_down))
+    np.testing.assert_array_equal(a.weights.stacked("w_down"), b.weights.stacked("w_down"))
     np.testing.assert_array_equal(np.asarray(a.weights.lm_head), np.asarray(b.weights.lm_head))
 
 
@@ -429,7 +429,7 @@ def test_smollm2_exported_folder_decodes_as_the_gguf(target, tmp_path):
     folder = save_hf(target, tmp_path / "smollm2")
     model = load_target(folder, dtype="float32")
     assert model.cfg == target.cfg
-    np.testing.assert_array_equal(np.asarray(model.weights.layers.wq), np.asarray(target.weights.layers.wq))
+    np.testing.assert_array_equal(model.weights.stacked("wq"), target.weights.stacked("wq"))
     tok, ref_tok = model.tokenizer, target.tokenizer
     assert (tok.eos_id, tok.bos_id, tok.stop_ids, tok.vocab_size) == (ref_tok.eos_id, ref_tok.bos_id,
                                                                        ref_tok.stop_ids, ref_tok.vocab_size)

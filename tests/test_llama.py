@@ -42,19 +42,19 @@ def np_forward(weights, cfg: LlamaConfig, ids):
     x = w.embed[ids]
     outs, keys, values = [], [], []
     for l in range(cfg.n_layers):
-        h = _np_rms(x, w.layers.attn_norm[l], cfg.norm_eps)
-        q = _np_rope((h @ w.layers.wq[l]).reshape(n, cfg.n_heads, E), pos, cfg.rope_base)
-        k = _np_rope((h @ w.layers.wk[l]).reshape(n, cfg.n_kv_heads, E), pos, cfg.rope_base)
-        v = (h @ w.layers.wv[l]).reshape(n, cfg.n_kv_heads, E)
+        h = _np_rms(x, w.layers[l].attn_norm, cfg.norm_eps)
+        q = _np_rope((h @ w.layers[l].wq).reshape(n, cfg.n_heads, E), pos, cfg.rope_base)
+        k = _np_rope((h @ w.layers[l].wk).reshape(n, cfg.n_kv_heads, E), pos, cfg.rope_base)
+        v = (h @ w.layers[l].wv).reshape(n, cfg.n_kv_heads, E)
         keys.append(k), values.append(v)
         s = np.einsum("ihe,jhe->hij", q, np.repeat(k, Q, axis=1)) / np.sqrt(E)
         s = np.where(np.tril(np.ones((n, n), bool)), s, -np.inf)
         p = np.exp(s - s.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
-        x = x + np.einsum("hij,jhe->ihe", p, np.repeat(v, Q, axis=1)).reshape(n, -1) @ w.layers.wo[l]
-        h = _np_rms(x, w.layers.mlp_norm[l], cfg.norm_eps)
-        g = h @ w.layers.w_gate[l]
-        x = x + (g / (1 + np.exp(-g)) * (h @ w.layers.w_up[l])) @ w.layers.w_down[l]
+        x = x + np.einsum("hij,jhe->ihe", p, np.repeat(v, Q, axis=1)).reshape(n, -1) @ w.layers[l].wo
+        h = _np_rms(x, w.layers[l].mlp_norm, cfg.norm_eps)
+        g = h @ w.layers[l].w_gate
+        x = x + (g / (1 + np.exp(-g)) * (h @ w.layers[l].w_up)) @ w.layers[l].w_down
         outs.append(x)
     final = _np_rms(x, w.final_norm, cfg.norm_eps)
     return final @ w.embed.T, np.stack(outs), final, np.stack(keys), np.stack(values)
@@ -198,7 +198,7 @@ def test_packed_equals_each_slot_alone(tiny, max_per_slot):
         n = len(idx)
         np.testing.assert_allclose(packed[idx], logits[:n], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(packed_extras.taps[idx], extras.taps[:n], rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(packed_cache.k[:, s], alone_cache.k[:, s], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.stack(packed_cache.k)[:, s], np.stack(alone_cache.k)[:, s], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("max_per_slot", [None, 2])
@@ -262,7 +262,7 @@ def test_bfloat16_weights_track_float32(tiny):
     _, e32, _ = prefill_prompt(tiny, init_cache(CFG, 1, 32), ids, 0, CFG, return_extras=True)
     _, e16, c16 = prefill_prompt(w16, init_cache(CFG, 1, 32, jnp.bfloat16), ids, 0, CFG, return_extras=True)
     l32, l16 = logits_from_hidden(tiny, e32.final_hidden), logits_from_hidden(w16, e16.final_hidden)
-    assert l16.dtype == jnp.float32 and c16.k.dtype == jnp.bfloat16
+    assert l16.dtype == jnp.float32 and c16.dtype == jnp.bfloat16
     # bf16 keeps 8 bits of mantissa, and the residual stream is stored in bf16: the drift measured here is ~4% of
     # the logit range; 10% still catches a broken computation (whose error is of the order of the range).
     np.testing.assert_allclose(l16, l32, rtol=0, atol=0.1 * float(jnp.abs(l32).max()))

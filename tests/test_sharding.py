@@ -114,9 +114,9 @@ def test_engine_on_eight_devices_equals_one_device():
     assert result["sampled_2x4_equals_one_device"]
     assert result["compiles_after_warm_up"] == 0
     layout = result["layout_2x4"]
-    assert layout["state.cache.k"] == "(None, 'data')"  # 2 slots split; the 2 KV heads replicate at tensor = 4
-    assert layout["weights.layers.wq"] == "(None, None, 'tensor')"  # its 4 query heads split
-    assert layout["weights.layers.w_gate"] == "(None, None, 'tensor')"
+    assert layout["state.cache.k.0"] == "('data',)"  # 2 slots split; the 2 KV heads replicate at tensor = 4
+    assert layout["weights.layers.1.wq"] == "(None, 'tensor')"  # its 4 query heads split
+    assert layout["weights.layers.0.w_gate"] == "(None, 'tensor')"
     assert layout["weights.embed"] == "('tensor',)"
     assert result["law"]["chi2"] < result["law"]["critical"]
 

@@ -25,17 +25,17 @@ def np_rms(x, w, eps):
 
 def np_floor(weights, cfg, ids):
     """The floor's program in NumPy: the layers' weight matmuls with q * (k + v) in place of attention."""
-    lw = jax.tree.map(lambda a: np.asarray(a, np.float64), weights.layers)
+    layers = jax.tree.map(lambda a: np.asarray(a, np.float64), weights.layers)
     T, K, H, E = len(ids), cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
     x = np.asarray(weights.embed, np.float64)[ids]
-    for i in range(cfg.n_layers):
-        h = np_rms(x, lw.attn_norm[i], cfg.norm_eps)
-        q, k, v = h @ lw.wq[i], h @ lw.wk[i], h @ lw.wv[i]
+    for lw in layers:
+        h = np_rms(x, lw.attn_norm, cfg.norm_eps)
+        q, k, v = h @ lw.wq, h @ lw.wk, h @ lw.wv
         mixed = q.reshape(T, K, H // K, E) * (k + v).reshape(T, K, 1, E)
-        x = x + mixed.reshape(T, H * E) @ lw.wo[i]
-        h = np_rms(x, lw.mlp_norm[i], cfg.norm_eps)
-        gate = h @ lw.w_gate[i]
-        x = x + (gate / (1 + np.exp(-gate)) * (h @ lw.w_up[i])) @ lw.w_down[i]
+        x = x + mixed.reshape(T, H * E) @ lw.wo
+        h = np_rms(x, lw.mlp_norm, cfg.norm_eps)
+        gate = h @ lw.w_gate
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ lw.w_up)) @ lw.w_down
     x = np_rms(x, np.asarray(weights.final_norm, np.float64), cfg.norm_eps)
     return x @ np.asarray(weights.embed, np.float64).T
 

@@ -91,9 +91,10 @@ def numpy_loss(d, batch, w_embed, loss_cfg):
     ce = -np.take_along_axis(logp, np.minimum(li, len(ids) - 1)[..., None], -1)[..., 0]
     sig = 1 / (1 + np.exp(-conf))
     bce = -(c_star * np.log(sig) + (1 - c_star) * np.log(1 - sig))
+    soft_ce = -(p_t_full[..., ids] * logp).sum(-1)
     w = np.exp(-np.arange(G) / 4.0) * batch["valid"]
     mean = lambda x, ww: (x * ww).sum() / ww.sum()  # noqa: E731
-    return {"ce": mean(ce, w * inv), "l1": mean(l1, w), "conf": mean(bce, w)}
+    return {"ce": mean(ce, w * inv), "l1": mean(l1, w), "conf": mean(bce, w), "kl": mean(soft_ce, w)}
 
 
 @pytest.mark.parametrize("vocab", [None, np.array([0, 2, 3, 5, 8, 13, 21, 34, 40, 55, 60])])
@@ -105,9 +106,12 @@ def test_loss_terms_match_numpy(vocab):
     head_w = dr.draft_head_weights(d, w.embed)
     loss, m = training.block_loss(d, jax.tree.map(jnp.asarray, batch), w.embed, head_w, training.LossConfig())
     ref = numpy_loss(d, batch, w.embed, training.LossConfig())
-    for k in ("ce", "l1", "conf"):
+    for k in ("ce", "l1", "conf", "kl"):
         np.testing.assert_allclose(float(m[k]), ref[k], rtol=2e-3, err_msg=k)
     np.testing.assert_allclose(float(loss), 0.1 * ref["ce"] + 0.9 * ref["l1"] + ref["conf"], rtol=2e-3)
+    distilled, _ = training.block_loss(d, jax.tree.map(jnp.asarray, batch), w.embed, head_w,
+                                       training.LossConfig(kl=0.5))
+    np.testing.assert_allclose(float(distilled), float(loss) + 0.5 * ref["kl"], rtol=2e-3)
 
 
 def test_checkpoint_resume_reproduces_uninterrupted_run(tmp_path):

@@ -19,6 +19,7 @@ configuration (``run.json``); a resumed run must ask for the same drafter.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -84,6 +85,9 @@ def main(argv=None):
                    help="RMS-normalise each tapped target layer before the context projection (new drafters)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help=f"0 = full target vocabulary (default {FRESH_DEFAULTS['draft_vocab']})")
+    p.add_argument("--kl", type=float, default=0.0, metavar="WEIGHT",
+                   help="weight of the distillation term (soft cross-entropy against the target's distribution "
+                        "over the draft vocabulary; see dspark_jax.training); default 0: the spec's loss")
     p.add_argument("--blocks", type=int, default=256, help="blocks per batch")
     p.add_argument("--context-tokens", type=int, default=2048, help="context tokens per batch")
     p.add_argument("--lr", type=float, default=6e-4)
@@ -106,6 +110,10 @@ def main(argv=None):
                              f"drafter folder")
     if args.kind == "dflash" and args.head is not None:
         p.error("--head: a DFlash drafter has no sequential head")
+    if not args.kl >= 0.0:
+        p.error(f"--kl {args.kl}: expected a weight >= 0")
+    if args.kl and args.train == "confidence":
+        p.error("--kl: --train confidence trains the confidence head alone, which the distillation term does not reach")
     cache = data.open_target_cache(args.cache)
     run = Path(args.run)
 
@@ -137,7 +145,8 @@ def main(argv=None):
         vocab = jax.device_get(drafter.vocab_ids[...])
     covered = freqs[vocab].sum() / max(freqs.sum(), 1)
     record = {"kind": args.kind, "train": args.train, "init_from": None if source is None else str(source),
-              "config": cfg.to_dict(), "model": args.model, "seed": args.seed}
+              "config": cfg.to_dict(), "model": args.model, "seed": args.seed,
+              **({"kl": args.kl} if args.kl else {})}  # absent at 0: runs started before the option resume
     check_resume(run, record)
     run.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run / "run.json", json.dumps(record, indent=1) + "\n")
@@ -153,7 +162,8 @@ def main(argv=None):
     tc = training.TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed)
     t0 = time.perf_counter()
     drafter = training.train(drafter, loader, target.weights.embed, target.weights.lm_head, tc=tc,
-                             loss_cfg=heads.loss_for(args.train, args.kind), run_dir=run, trainable=trainable, mesh=mesh)
+                             loss_cfg=dataclasses.replace(heads.loss_for(args.train, args.kind), kl=args.kl),
+                             run_dir=run, trainable=trainable, mesh=mesh)
     wall = time.perf_counter() - t0
     plot_training(run / "metrics.jsonl", run / "training.png", title=f"{args.kind} ({args.steps} steps)")
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])

