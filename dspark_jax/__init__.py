@@ -4,8 +4,8 @@ The public API. Pure functions that live inside a user's own jitted decoding loo
 
 * `survival_probs`, `schedule` (Algorithm 1), `capacity` and `top_k_lengths` (the production variant),
   `sps_lookup`: which drafts each request verifies, given per-token confidences and a steps/s table;
-* `speculative_accept` (sampled) and `greedy_accept` (temperature 0): lossless verification with a
-  verification length per request;
+* `speculative_accept` (sampled) and `greedy_accept` (temperature 0; `greedy_accept_tokens` from the target's
+  argmax tokens): lossless verification with a verification length per request;
 * `fit_sts`, `apply_sts`: Sequential Temperature Scaling of the confidence head.
 
 Tables and engines:
@@ -21,13 +21,13 @@ from dspark_jax.calibration import apply_sts, fit_sts
 from dspark_jax.engine import Engine, EngineConfig, SamplingParams
 from dspark_jax.scheduler import Schedule, capacity, schedule, sps_lookup, survival_probs, top_k_lengths
 from dspark_jax.sps import SPSTable, load_sps_table
-from dspark_jax.verify import greedy_accept, speculative_accept
+from dspark_jax.verify import greedy_accept, greedy_accept_tokens, speculative_accept
 
 __version__ = "0.1.0"
 
 __all__ = [
     "survival_probs", "schedule", "Schedule", "capacity", "top_k_lengths", "sps_lookup",
-    "speculative_accept", "greedy_accept",
+    "speculative_accept", "greedy_accept", "greedy_accept_tokens",
     "fit_sts", "apply_sts",
     "SPSTable", "load_sps_table",
     "Engine", "EngineConfig", "SamplingParams",

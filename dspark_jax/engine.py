@@ -65,6 +65,8 @@ from dspark_jax.models.llama import (
     LlamaModel,
     bucket_for,
     commit,
+    first_argmax,
+    grid_bucket,
     forward_packed,
     prefill,
     prefill_chunks,
@@ -732,7 +734,9 @@ class Engine:
                 lo = R // 2 + 1
                 hi = R * (G + 1) if drafting else R
                 plain = {(bucket_for(b), 1) for b in range(lo, R + 1)}  # rounds without drafts: B = n
-                spec = {(bucket_for(b), G + 1) for b in range(lo + 1, hi + 1)} if drafting else set()
+                widths = sorted({grid_bucket(k, G + 1) for k in range(2, G + 2)})  # B <= R * width
+                spec = ({(bucket_for(b), m) for m in widths for b in range(lo + 1, min(hi, R * m) + 1)}
+                        if drafting else set())
                 kinds = [(T, per_slot, drafting) for T, per_slot in sorted(plain | spec)]
                 if self._may_drop_context:  # rounds where no request has the drafter's context: none's programs
                     kinds += [(T, 1, False) for T, _ in sorted(plain)]
@@ -790,17 +794,20 @@ class Engine:
                                     capacity=self.cfg.capacity, R=R, policy=self._policy_kind, greedy=greedy,
                                     gate_cfg=self.gate_cfg,
                                     context=_window(longest, self.cfg.capacity, self.cfg.window_rule))
-            B = int(d.batch_tokens)  # the one value the host needs: it picks the token bucket
+            # what the host needs: the token bucket, and the grid width from the longest row
+            B, lengths_all = _to_host((d.batch_tokens, d.lengths))
+            B = int(B)
         else:
-            d, B = None, n
+            d, B, lengths_all = None, n, np.zeros(R, np.int64)
         T = bucket_for(B)
+        per_slot = grid_bucket(int(lengths_all[:n].max()) + 1, G + 1) if B > n else 1
         conf, drafted_arr = self._round_conf(d, R) if drafting else (None, None)
         self.state, out = _verify_and_commit(
             self.target.weights, self.state, d if B > n else None, conf, drafted_arr,
             self.d_graph if drafting else None, self.d_state if drafting else None,
             self.draft_vocab if drafting else None, jnp.asarray(self.stop_ids),
             cfg=self.target.cfg, R=R, T=T, G=G, window=window, greedy=greedy,
-            drafting=drafting, per_slot=G + 1 if B > n else 1, gate_cfg=self.gate_cfg)
+            drafting=drafting, per_slot=per_slot, gate_cfg=self.gate_cfg)
         after = (jnp.float32(np.nan), jnp.bool_(True), jnp.float32(np.nan))
         if self.cost is not None and can_draft:
             after = _after_round(self.cost, scale, self.state, jnp.int32(n), jnp.int32(longest), jnp.int32(B),
@@ -816,7 +823,7 @@ class Engine:
         drafted = bool(d.drafted) if d is not None else False
         if compile_count() == compiles:
             self._observe_round(drafted, time.perf_counter() - t_round, float(predicted))
-        lengths = _to_host(d.lengths)[:n] if d is not None else np.zeros(n, np.int64)
+        lengths = lengths_all[:n]
         rows = _rows_host(active)[:n]
         row_requests = np.asarray([self.slot_request[s] for s in rows], np.int64)
         for i, s in enumerate(rows):
@@ -1102,8 +1109,9 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, dr
     ``drafting``: the engine has a drafter (its context cache is written for every committed token, drafted
     round or not); then ``conf`` [R, G] and ``drafted`` [] are the round's calibrated confidences and whether
     the drafter ran (zeros and False when the host skipped the draft program), else None. ``per_slot`` is
-    the most tokens a row verifies: ``G + 1`` with the drafts ``d``, or 1 with ``d = None`` for a round that
-    scheduled no drafts (a plain round then costs what plain decoding costs; one program per shape).
+    the verification grid's width: with the drafts ``d``, `grid_bucket` of the longest row's tokens (1 + its
+    drafts; the attention's reads grow with it), or 1 with ``d = None`` for a round that scheduled no drafts
+    (a plain round then costs what plain decoding costs; one program per shape).
     ``greedy``: every row is greedy (argmax acceptance); else each row accepts by its own rule: argmax at
     temperature 0, `verify.speculative_accept` against ``top_p(softmax(logits / T))`` otherwise. With
     ``drafting``, the drafter gate's bookkeeping (`gate.update`, by ``gate_cfg``) follows the round.
@@ -1131,13 +1139,16 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, dr
     tokens = seq[tok_row, jnp.clip(col, 0, Gv)]
     slots = rows[tok_row]
     positions = jnp.where(valid, ctx_len[tok_row] + col, 0)
+    # R rows of all S slots: the grid reads every slot's cache in place; fewer: only the rows' caches (gathered)
+    row_slots = None if R == state.cache.num_slots else rows
     logits, extras, cache = forward_packed(weights, state.cache, tokens, slots, positions, valid, cfg,
-                                           per_slot, rows, window)
+                                           per_slot, row_slots, window)
     # ---- unpack to rows: logits of [anchor, x1..x_Gv] -> [R, Gv + 1, V]
     idx = jnp.clip(starts[:, None] + jnp.arange(Gv + 1)[None, :], 0, T - 1)
-    row_logits = logits[idx]
-    n_acc, nxt = verify.greedy_accept(drafts, row_logits, lengths)
+    # argmax over the T packed tokens, then gathered into rows: not over R x (Gv + 1) padded logit rows
+    n_acc, nxt = verify.greedy_accept_tokens(drafts, first_argmax(logits)[idx], lengths)
     if not greedy:
+        row_logits = logits[idx]
         temp = state.temperature[rows]  # [R]
         sampled = temp > 0
         scaled = row_logits / jnp.where(sampled, temp, 1.0)[:, None, None]  # [R, Gv + 1, V]

@@ -3,7 +3,8 @@
 A round is the drafter's block for every active request, then one packed verification by the target.
 Both are measured as the engine runs them, on the backend JAX selects (or the one asked for):
 
-* verification: ``llama.forward_packed`` with ``T`` tokens (a bucket), ``max_per_slot = G + 1``, a grid of
+* verification: ``llama.forward_packed`` with ``T`` tokens (a bucket), the grid width the engine takes for
+  rows of ``ceil(B / R)`` tokens (``llama.grid_bucket``), a grid of
   ``R`` rows (``row_slots``) and the attention window ``Wv = window(L + G + 1)``, every row holding ``L``
   committed tokens;
 * drafting: ``drafter.draft`` for ``R`` rows (the module split once, a jitted pure function of its
@@ -49,7 +50,7 @@ from tqdm import tqdm
 from dspark_jax.models.drafter import (Drafter, DrafterConfig, draft, draft_head_weights,
                                        init_drafter_cache)
 from dspark_jax.models.llama import (BUCKETS, CONTEXT_STEP, LlamaConfig, LlamaWeights, bucket_for, forward_packed,
-                                     init_cache)
+                                     grid_bucket, init_cache)
 from dspark_jax.sharding import (drafter_cache_axes, kv_cache_axes, mesh_of, mesh_shape, place,
                                  place_drafter_state, place_target_weights)
 from dspark_jax.sps import (OVERHEAD_KINDS, CostModel, SPSMetadata, SPSPoint, SPSTable, host_cpu, realistic_rows,
@@ -244,7 +245,8 @@ def _verify_step(weights: LlamaWeights, cfg: LlamaConfig, *, rows: int, batch_to
     replaced at each call), and a function that frees the cache."""
     if rows < 1 or batch_tokens < 1 or context < 0:
         raise ValueError(f"rows, batch_tokens >= 1 and context >= 0 expected, got {rows}, {batch_tokens}, {context}")
-    M = 1 if plain else block + 1
+    n_valid = min(batch_tokens, rows if plain else rows * (block + 1))
+    M = 1 if plain else grid_bucket(max(2, -(-n_valid // rows)), block + 1)  # as the engine: rows of B / R tokens
     W, _ = round_windows(context, block, CONTEXT_STEP, window_rule)
     # Every input committed to the weights' device, as the donated cache returned by each call is: otherwise
     # the second call compiles again (committed and uncommitted arguments compile separately).

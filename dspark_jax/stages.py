@@ -34,8 +34,8 @@ from jax import lax
 from dspark_jax import scheduler
 from dspark_jax.models.drafter import Drafter, draft, draft_head_weights, init_drafter_cache, write_context
 from dspark_jax.models.llama import (BUCKETS, LayerWeights, LlamaConfig, LlamaModel, LlamaWeights, bucket_for,
-                                     context_bucket, decode_step, forward_packed, init_cache, logits_from_hidden,
-                                     rms_norm)
+                                     context_bucket, decode_step, forward_packed, grid_bucket, init_cache,
+                                     logits_from_hidden, rms_norm)
 from dspark_jax.timing import Timing
 
 __all__ = ["interleaved", "round_stage_rows", "target_step_rows", "weights_only_forward"]
@@ -399,7 +399,7 @@ def round_stage_rows(target: LlamaModel, drafter: Drafter, *, users: Sequence[in
         for k in verify_tokens:
             window_v = context_bucket(context + k, 1 << 30)
             thunks[f"verify {k}"] = _verify_thunk(target.weights, cfg, rows=R, per_row=k,
-                                                  max_per_slot=1 if k == 1 else G + 1, context=context,
+                                                  max_per_slot=1 if k == 1 else grid_bucket(k, G + 1), context=context,
                                                   window=window_v, capacity=window_v)
             T = bucket_for(R * k)
             thunks.setdefault(f"floor {T}", _floor_thunk(target.weights, cfg, T))

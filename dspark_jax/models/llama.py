@@ -57,6 +57,19 @@ def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int:
     raise ValueError(f"n={n} tokens exceed the largest bucket {buckets[-1]} (buckets: {tuple(buckets)})")
 
 
+def grid_bucket(n: int, cap: int) -> int:
+    """The static grid width (`forward_packed`'s ``max_per_slot``) for rows of at most ``n`` tokens: the
+    smallest power of two >= n, at least 2, at most ``cap`` (the block + 1). The attention of a packed
+    verification grows with the width, so a round whose rows verify few drafts reads less.
+
+    >>> [grid_bucket(n, 8) for n in (1, 2, 3, 5, 8)]
+    [2, 2, 4, 8, 8]
+    """
+    if not 1 <= n <= cap:
+        raise ValueError(f"n={n} tokens per row must lie in [1, cap={cap}]")
+    return min(cap, max(2, 1 << (int(n) - 1).bit_length()))
+
+
 def default_tap_layers(n_layers: int, m: int = 5) -> tuple[int, ...]:
     """The m target layers whose raw outputs feed the drafter (spec section 2.1).
 
