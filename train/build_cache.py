@@ -17,9 +17,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="data/responses")
     p.add_argument("--out", default="runs/data/cache")
+    p.add_argument("--max-shards", type=int, default=None, help="only the first N shards of --data")
     add_model_arguments(p, draft=False)
     args = p.parse_args(argv)
-    chunks = load_responses(args.data)
+    if args.max_shards is not None and args.max_shards < 1:
+        p.error(f"--max-shards {args.max_shards}: expected an integer >= 1")
+    chunks = load_responses(args.data, max_shards=args.max_shards)
     if mesh_from_args(args) is not None:
         p.error("--tensor-parallel-size / --data-parallel-size: this command runs on one device")
     model = load_target(args.model, dtype=args.dtype)

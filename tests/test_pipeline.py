@@ -1,0 +1,135 @@
+"""train.pipeline: the stages' order and arguments, resuming after an interruption, refusing other settings.
+
+The stages' own commands are tested in their own files; here they are stand-ins that record their calls.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from train import pipeline
+
+
+class Interrupted(Exception):
+    pass
+
+
+def fake_mains(calls, fail_on=None):
+    """Stand-ins for the stages' entry points; ``fail_on``: raise once in the command with that label."""
+    failed = set()
+
+    def make(name):
+        def main(argv):
+            calls.append((name, list(argv)))
+            if name == fail_on and name not in failed:
+                failed.add(name)
+                raise Interrupted(name)
+            if "--json" in argv:  # evaluate and summarize_eval write their report
+                path = Path(argv[argv.index("--json") + 1])
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text("{}")
+        return main
+
+    return {n: make(n) for n in ("generate_data", "build_cache", "train_drafter", "calibrate", "evaluate",
+                                 "summarize_eval")}
+
+
+def dev_prompts(tmp_path):
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for d in pipeline.DOMAINS:
+        (dev / f"{d}.jsonl").write_text('{"turns": ["hi"]}\n')
+    return dev
+
+
+def args_for(tmp_path, *extra):
+    dev = tmp_path / "dev" if (tmp_path / "dev").exists() else dev_prompts(tmp_path)
+    p = pipeline.build_parser()
+    args = p.parse_args(["--out", str(tmp_path / "run"), "--data", str(tmp_path / "data"), "--dev-prompts", str(dev),
+                         "--train-prompts", str(tmp_path), *extra])
+    pipeline.check_inputs(args, p)
+    return args
+
+
+def test_stages_run_in_order_with_the_same_recipe_for_both_drafters(tmp_path):
+    calls = []
+    record = pipeline.run(args_for(tmp_path, "--steps", "30", "--kl", "0.5", "--tap-norm"), fake_mains(calls),
+                          log=lambda m: None)
+    names = [c[0] for c in calls]
+    assert names[:5] == ["generate_data", "build_cache", "train_drafter", "train_drafter", "calibrate"]
+    n_eval = len(pipeline.TEMPERATURES) * len(pipeline.DRAFTERS) * len(pipeline.DOMAINS)
+    assert names[5:] == ["evaluate"] * n_eval + ["summarize_eval"] * len(pipeline.TEMPERATURES)
+    dspark, dflash = calls[2][1], calls[3][1]
+    strip = lambda a: [x for x in a if x not in ("dspark", "dflash") and not x.endswith(("/dspark", "/dflash"))]
+    assert strip(dspark) == strip(dflash)  # same data, steps, seed and recipe options
+    assert dspark[dspark.index("--steps") + 1] == "30" and "--tap-norm" in dspark and "--kl" in dspark
+    evals = [c[1] for c in calls if c[0] == "evaluate"]
+    assert all(a[a.index("--half") + 1] == "eval" for a in evals)  # the held-out half only
+    assert {a[a.index("--temperature") + 1] for a in evals} == {"0", "1"}
+    assert all(st["finished"] for st in record["stages"].values()) and record["total_seconds"] >= 0
+
+
+def test_an_interrupted_run_resumes_at_its_stage(tmp_path):
+    args = args_for(tmp_path)
+    calls = []
+    with pytest.raises(Interrupted):
+        pipeline.run(args, fake_mains(calls, fail_on="evaluate"), log=lambda m: None)
+    stages = json.loads((Path(args.out) / pipeline.RECORD).read_text())["stages"]
+    assert stages["train-dflash"]["finished"] and not stages["eval"]["finished"]
+    calls2 = []
+    pipeline.run(args, fake_mains(calls2), log=lambda m: None)
+    names = [c[0] for c in calls2]
+    assert "train_drafter" not in names and "build_cache" not in names  # finished stages are skipped
+    # the failed evaluation runs again; the reports already written are not
+    n_eval = len(pipeline.TEMPERATURES) * len(pipeline.DRAFTERS) * len(pipeline.DOMAINS)
+    assert names.count("evaluate") == n_eval
+    calls3 = []
+    pipeline.run(args, fake_mains(calls3), log=lambda m: None)
+    assert calls3 == []  # everything finished
+
+
+def test_eval_reports_on_disk_are_not_recomputed(tmp_path):
+    args = args_for(tmp_path)
+    calls = []
+    with pytest.raises(Interrupted):  # every evaluation wrote its report, then the summary stopped the run
+        pipeline.run(args, fake_mains(calls, fail_on="summarize_eval"), log=lambda m: None)
+    calls2 = []
+    pipeline.run(args, fake_mains(calls2), log=lambda m: None)
+    assert [c[0] for c in calls2] == ["summarize_eval"] * len(pipeline.TEMPERATURES)
+
+
+def test_other_settings_in_the_same_folder_are_refused(tmp_path):
+    pipeline.run(args_for(tmp_path, "--steps", "10"), fake_mains([]), log=lambda m: None)
+    with pytest.raises(SystemExit, match="steps"):
+        pipeline.run(args_for(tmp_path, "--steps", "20"), fake_mains([]), log=lambda m: None)
+
+
+def test_shards_limit_generates_only_what_is_missing(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for k in range(3):
+        (data / f"shard_{k:05d}.npz").write_bytes(b"")
+    calls = []
+    pipeline.run(args_for(tmp_path, "--shards", "5"), fake_mains(calls), log=lambda m: None)
+    gen = dict(calls)["generate_data"]
+    assert gen[gen.index("--max-shards") + 1] == "2"
+    cache = dict(calls)["build_cache"]
+    assert cache[cache.index("--max-shards") + 1] == "5"
+
+
+@pytest.mark.parametrize("extra,match", [(["--steps", "0"], "--steps 0"), (["--shards", "0"], "--shards 0"),
+                                         (["--kl", "-1"], "--kl -1")])
+def test_bad_options_are_refused_before_work(tmp_path, extra, match, capsys):
+    with pytest.raises(SystemExit):
+        args_for(tmp_path, *extra)
+    assert match in capsys.readouterr().err
+
+
+def test_missing_dev_prompts_are_named(tmp_path, capsys):
+    p = pipeline.build_parser()
+    args = p.parse_args(["--out", str(tmp_path / "run"), "--dev-prompts", str(tmp_path / "nodev"),
+                         "--train-prompts", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        pipeline.check_inputs(args, p)
+    assert "gsm8k.jsonl" in capsys.readouterr().err

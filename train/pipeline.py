@@ -1,0 +1,208 @@
+"""The drafter pipeline in one resumable command: the target's answers, its hidden-state cache, a DSpark drafter
+and its DFlash baseline (same data, steps and seed), STS calibration of both, and their evaluation on the
+held-out half of the dev prompts at temperatures 0 and 1.
+
+    python -m train.pipeline --out runs/pipeline                          # SmolLM2: every shard, 2000 steps
+    python -m train.pipeline --out runs/short --shards 8 --steps 300      # a shorter run on the first 8 shards
+    python -m train.pipeline --out runs/pipeline --kl 1.0 --tap-norm --layers 3   # recipe options, both drafters
+
+Stages, in order (each runs the command named, whose own progress it prints):
+
+    data              train.generate_data    answers in --data (shared by every --out; committed shards count)
+    cache             train.build_cache      OUT/cache (the first --shards shards)
+    train-dspark      train.train_drafter    OUT/dspark     train-dflash   the same, --kind dflash: OUT/dflash
+    calibrate-dspark  train.calibrate        STS beside OUT/dspark/export, from the dev calibration half
+    calibrate-dflash  train.calibrate        (DFlash has no confidence head: skipped)
+    eval              train.evaluate         OUT/eval/t{0,1}/{dspark,dflash}_{domain}.json, held-out dev half
+    summary           train.summarize_eval   OUT/eval/t{0,1}/summary.json and the tables on stdout
+
+Everything resumes where it stopped: generated shards and cache shards are kept, training restarts from its last
+Orbax checkpoint, an evaluation whose report exists is not run again. ``OUT/pipeline.json`` records the
+settings and, per stage, its wall time and whether it finished; a finished stage is skipped, and a run with
+other settings into the same --out is refused. At the end the stage times and their total are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from dspark_jax.io import atomic_write_text
+
+DOMAINS = ("gsm8k", "mbpp", "livecodebench", "arena-hard", "mt-bench")
+DRAFTERS = ("dspark", "dflash")
+TEMPERATURES = (0.0, 1.0)
+RECORD = "pipeline.json"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train.pipeline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the run's folder (cache, drafters, reports, pipeline.json)")
+    p.add_argument("--data", default="data/responses", help="generated answers (train.generate_data --out)")
+    p.add_argument("--train-prompts", default="../shared/data/prompts/train")
+    p.add_argument("--dev-prompts", default="../shared/data/prompts/dev")
+    p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2 GGUF)")
+    p.add_argument("--shards", type=int, default=None,
+                   help="use the first N shards of answers (generating what is missing); default every prompt")
+    p.add_argument("--steps", type=int, default=2000, help="training steps of each drafter")
+    p.add_argument("--layers", type=int, default=None, help="draft layers (train.train_drafter's default)")
+    p.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary (train_drafter's default)")
+    p.add_argument("--tap-norm", action="store_true", help="normalise each tapped layer (train_drafter)")
+    p.add_argument("--kl", type=float, default=0.0, help="distillation weight (train_drafter --kl)")
+    p.add_argument("--eval-limit", type=int, default=20, help="held-out dev prompts per domain and temperature")
+    p.add_argument("--eval-max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def settings_of(args: argparse.Namespace) -> dict:
+    """The options that decide the results (a resumed run must repeat them)."""
+    return {k: getattr(args, k) for k in ("data", "model", "shards", "steps", "layers", "draft_vocab", "tap_norm",
+                                          "kl", "eval_limit", "eval_max_new_tokens", "seed")}
+
+
+Command = tuple[str, Callable[[list[str]], object], list[str], Path | None]  # label, main, argv, output (skip if present)
+
+
+def _mains():
+    """The stages' entry points (imported here: each loads JAX and the model code)."""
+    from train import build_cache, calibrate, evaluate, generate_data, summarize_eval, train_drafter  # noqa: PLC0415
+
+    return dict(generate_data=generate_data.main, build_cache=build_cache.main, train_drafter=train_drafter.main,
+                calibrate=calibrate.main, evaluate=evaluate.main, summarize_eval=summarize_eval.main)
+
+
+def count_shards(folder: Path) -> int:
+    return len(list(folder.glob("shard_*.npz")))
+
+
+def plan(args: argparse.Namespace, mains: dict) -> list[tuple[str, list[Command]]]:
+    """The stages and their commands."""
+    out, data = Path(args.out), Path(args.data)
+    model = ["--model", args.model] if args.model else []
+    stages: list[tuple[str, list[Command]]] = []
+    gen = ["--out", str(data), "--prompts", args.train_prompts, "--no-progress"] + model
+    if args.shards is not None:
+        missing = max(0, args.shards - count_shards(data))
+        gen += ["--max-shards", str(missing)]
+    stages.append(("data", [] if args.shards is not None and missing == 0
+                   else [("generate_data", mains["generate_data"], gen, None)]))
+    cache = ["--data", str(data), "--out", str(out / "cache")] + model
+    cache += [] if args.shards is None else ["--max-shards", str(args.shards)]
+    stages.append(("cache", [("build_cache", mains["build_cache"], cache, None)]))
+    arch = []
+    for flag, value in (("--layers", args.layers), ("--draft-vocab", args.draft_vocab)):
+        arch += [] if value is None else [flag, str(value)]
+    arch += ["--tap-norm"] if args.tap_norm else []
+    arch += ["--kl", str(args.kl)] if args.kl else []
+    for kind in DRAFTERS:
+        argv = ["--cache", str(out / "cache"), "--run", str(out / kind), "--kind", kind, "--steps", str(args.steps),
+                "--seed", str(args.seed)] + arch + model
+        stages.append((f"train-{kind}", [("train_drafter", mains["train_drafter"], argv, None)]))
+    for kind in DRAFTERS:
+        cmds = [] if kind == "dflash" else [
+            ("calibrate", mains["calibrate"], ["--draft", str(out / kind / "export"), "--prompts", args.dev_prompts]
+             + model, None)]
+        stages.append((f"calibrate-{kind}", cmds))
+    evals: list[Command] = []
+    for t in TEMPERATURES:
+        for kind in DRAFTERS:
+            for dom in DOMAINS:
+                report = out / "eval" / f"t{t:g}" / f"{kind}_{dom}.json"
+                argv = ["--draft", str(out / kind / "export"), "--prompts", str(Path(args.dev_prompts) / f"{dom}.jsonl"),
+                        "--half", "eval", "--limit", str(args.eval_limit), "--temperature", f"{t:g}",
+                        "--max-new-tokens", str(args.eval_max_new_tokens), "--seed", str(args.seed),
+                        "--json", str(report)] + model
+                evals.append((f"evaluate {kind} {dom} T={t:g}", mains["evaluate"], argv, report))
+    stages.append(("eval", evals))
+    summaries: list[Command] = []
+    for t in TEMPERATURES:
+        folder = out / "eval" / f"t{t:g}"
+        summaries.append((f"summary T={t:g}", mains["summarize_eval"],
+                          ["--dir", str(folder), "--drafts", "dflash", "dspark", "--domains", *DOMAINS,
+                           "--json", str(folder / "summary.json")], None))
+    stages.append(("summary", summaries))
+    return stages
+
+
+def check_inputs(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """Refuse bad options and missing prompt sets before any long work."""
+    for name in ("steps", "eval_limit", "eval_max_new_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected an integer >= 1")
+    if args.shards is not None and args.shards < 1:
+        p.error(f"--shards {args.shards}: expected an integer >= 1")
+    if not args.kl >= 0:
+        p.error(f"--kl {args.kl}: expected a weight >= 0")
+    dev = Path(args.dev_prompts)
+    missing = [d for d in DOMAINS if not (dev / f"{d}.jsonl").is_file()]
+    if missing:
+        p.error(f"--dev-prompts {dev}: missing {', '.join(f'{d}.jsonl' for d in missing)} (the evaluation's "
+                f"held-out prompts)")
+    if not Path(args.train_prompts).exists():
+        p.error(f"--train-prompts {args.train_prompts}: no such file or folder")
+
+
+def load_record(path: Path, settings: dict) -> dict:
+    if not path.is_file():
+        return {"settings": settings, "stages": {}}
+    record = json.loads(path.read_text())
+    old = record.get("settings", {})
+    diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+    if diff:
+        raise SystemExit(f"{path}: this folder was started with other settings ({', '.join(diff)}: "
+                         f"{ {k: old.get(k) for k in diff} } there, { {k: settings.get(k) for k in diff} } now); "
+                         f"use a new --out or the same options")
+    return record
+
+
+def run(args: argparse.Namespace, mains: dict | None = None, log: Callable[[str], None] = print) -> dict:
+    """Run the stages not yet finished; returns the record (settings, per-stage seconds and state)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RECORD
+    record = load_record(path, settings_of(args))
+    save = lambda: atomic_write_text(path, json.dumps(record, indent=1) + "\n")  # noqa: E731
+    for name, commands in plan(args, mains or _mains()):
+        entry = record["stages"].setdefault(name, {"seconds": 0.0, "finished": False})
+        if entry["finished"]:
+            log(f"== {name}: finished earlier ({entry['seconds'] / 60:.1f} min)")
+            continue
+        log(f"== {name} ({datetime.datetime.now(datetime.timezone.utc).strftime('%H:%M:%S')} UTC)")
+        t0 = time.perf_counter()
+        try:
+            for label, main, argv, output in commands:
+                if output is not None and output.is_file():
+                    log(f"   {label}: {output} exists")
+                    continue
+                log(f"   {label}: {' '.join(argv)}")
+                main(argv)
+        finally:
+            entry["seconds"] += time.perf_counter() - t0  # time spent, also by an interrupted attempt
+            save()
+        entry["finished"] = True
+        save()
+    total = sum(e["seconds"] for e in record["stages"].values())
+    log("stage              minutes")
+    for name, e in record["stages"].items():
+        log(f"{name:<18} {e['seconds'] / 60:8.1f}")
+    log(f"{'total':<18} {total / 60:8.1f}")
+    record["total_seconds"] = total
+    save()
+    return record
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_inputs(args, p)
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()
