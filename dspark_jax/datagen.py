@@ -279,19 +279,21 @@ def generate_responses(model: LlamaModel, prompts: Sequence[Prompt], out_dir: st
     return {"shards": written, "tokens": generated, "seconds": elapsed, "tokens_per_s": generated / elapsed}
 
 
-def load_responses(data_dir: str | os.PathLike, max_shards: int | None = None) -> dict[str, list[dict]]:
+def load_responses(data_dir: str | os.PathLike, shards: range | None = None) -> dict[str, list[dict]]:
     """The shards of `generate_responses` as records, per shard name in order: ``{"index", "domain",
     "sample", "temperature", "finished", "prompt_ids", "output_ids"}`` for every non-empty answer.
-    ``max_shards``: only the first N shards (shard_00000 .. shard_{N-1}), which must all be there."""
+    ``shards``: only those shard numbers (e.g. ``range(0, 80)``), which must all be there."""
     files = sorted(glob.glob(str(Path(data_dir) / "shard_*.npz")))
     if not files:
         raise ValueError(f"no generated shards (shard_*.npz) in {data_dir}; run train.generate_data first")
-    if max_shards is not None:
-        want = [str(shard_path(data_dir, k)) for k in range(max_shards)]
+    if shards is not None:
+        want = [str(shard_path(data_dir, k)) for k in shards]
         missing = sorted(set(want) - set(files))
+        if not want:
+            raise ValueError(f"shards {shards}: an empty range; expected at least one shard number")
         if missing:
-            raise ValueError(f"{data_dir}: the first {max_shards} shards are asked for, but {len(missing)} are "
-                             f"missing ({Path(missing[0]).name}, ...); generate them first (train.generate_data)")
+            raise ValueError(f"{data_dir}: shards {shards.start}..{shards.stop - 1} are asked for, but {len(missing)} "
+                             f"are missing ({Path(missing[0]).name}, ...); generate them first (train.generate_data)")
         files = want
     out = {}
     for f in files:

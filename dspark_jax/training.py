@@ -33,8 +33,8 @@ from flax import nnx
 from dspark_jax.models.drafter import Drafter, draft_head_weights
 from dspark_jax.io import atomic_write_text
 
-__all__ = ["LossConfig", "block_loss", "TrainConfig", "make_optimizer", "train", "replicate", "shard_batch",
-           "choose_draft_vocab"]
+__all__ = ["LossConfig", "block_loss", "TrainConfig", "make_optimizer", "train", "validate", "replicate",
+           "shard_batch", "choose_draft_vocab"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +126,8 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     ckpt_every: int = 100
+    val_every: int = 100  # held-out metrics every N steps (and at the last), when a validation loader is given
+    val_batches: int = 8  # batches 0..N-1 of the validation loader: the same blocks every time
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
@@ -183,8 +185,36 @@ def make_train_step(graphdef, loss_cfg: LossConfig, tx: optax.GradientTransforma
     return step
 
 
+def make_eval_step(graphdef, loss_cfg: LossConfig):
+    """A jitted pure (params, buffers, batch, embed, lm_head) -> metrics: the loss terms without a gradient."""
+
+    @jax.jit
+    def step(params, buffers, batch, embed, lm_head):
+        model = nnx.merge(graphdef, params, buffers)
+        loss, metrics = block_loss(model, batch, embed, draft_head_weights(model, embed, lm_head), loss_cfg)
+        return dict(metrics, loss=loss)
+
+    return step
+
+
+def validate(eval_step, params, buffers, val_loader, embed, lm_head, *, batches: int, mesh=None) -> dict[str, float]:
+    """Held-out metrics over ``val_loader.batch(0 .. batches - 1)``: ``val_loss`` and ``val_tau_prob``, the
+    probabilistic accepted length from the per-slot mean acceptance c* (the expected tau of the block when the
+    target samples its own continuation, at G drafts)."""
+    rows = []
+    for i in range(batches):
+        batch = _batch_to_device(val_loader.batch(i))
+        if mesh is not None:
+            batch = shard_batch(batch, mesh)
+        rows.append(jax.device_get(eval_step(params, buffers, batch, embed, lm_head)))
+    c_star = np.mean([np.asarray(r["c_star"]) for r in rows], axis=0)
+    return {"val_loss": float(np.mean([r["loss"] for r in rows])), "val_c_star": c_star.tolist(),
+            "val_tau_prob": probabilistic_tau(c_star)}
+
+
 def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None, *, tc: TrainConfig,
-          loss_cfg: LossConfig, run_dir: str | os.PathLike, progress: bool = True, trainable=nnx.Param, mesh=None) -> Drafter:
+          loss_cfg: LossConfig, run_dir: str | os.PathLike, progress: bool = True, trainable=nnx.Param, mesh=None,
+          val_loader=None) -> Drafter:
     """Train ``drafter`` on ``loader.batch(step)`` for ``tc.steps`` steps; resumable from ``run_dir``.
 
     Only the parameters matched by the `flax.nnx` filter ``trainable`` are trained (default: all of them;
@@ -199,7 +229,8 @@ def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None,
     one); a restarted call resumes from the latest checkpoint and, because batches are a function of the
     step, sees the same data it would have seen. Checkpoints hold the trained parameters only: a resumed
     call must be given the same frozen parameters (``train.train_drafter`` checks its run's configuration).
-    Metrics go to ``run_dir/metrics.jsonl``.
+    Metrics go to ``run_dir/metrics.jsonl``; with a ``val_loader`` (blocks of held-out sequences), every
+    ``tc.val_every`` steps and at the last, the logged row also holds `validate`'s held-out metrics.
     """
     import orbax.checkpoint as ocp
     from tqdm import tqdm
@@ -219,6 +250,7 @@ def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None,
         restored = mgr.restore(latest, args=ocp.args.StandardRestore(target))
         params, opt_state, start = restored["params"], restored["opt_state"], latest
     step_fn = make_train_step(graphdef, loss_cfg, tx)
+    eval_fn = make_eval_step(graphdef, loss_cfg) if val_loader is not None else None
     if mesh is not None:
         params, buffers, opt_state, embed, lm_head = replicate((params, buffers, opt_state, embed, lm_head), mesh)
     metrics_path = run_dir / "metrics.jsonl"
@@ -247,6 +279,9 @@ def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None,
                 vals = np.stack([np.asarray(h[key]) for h in host])
                 row[key] = vals.mean(0).tolist()
             row["tau_prob"] = probabilistic_tau(row["c_star"])
+            if eval_fn is not None and (done % tc.val_every < tc.log_every or done == tc.steps):
+                row.update(validate(eval_fn, params, buffers, val_loader, embed, lm_head, batches=tc.val_batches,
+                                    mesh=mesh))
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau_prob']:.2f}")

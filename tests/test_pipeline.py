@@ -25,6 +25,10 @@ def fake_mains(calls, fail_on=None):
             if name == fail_on and name not in failed:
                 failed.add(name)
                 raise Interrupted(name)
+            if name == "generate_data":  # the data folder's manifest: 64 prompts in shards of 32
+                out = Path(argv[argv.index("--out") + 1])
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "manifest.json").write_text(json.dumps({"settings": {"prompts": 64, "shard_prompts": 32}}))
             if "--json" in argv:  # evaluate and summarize_eval write their report
                 path = Path(argv[argv.index("--json") + 1])
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,10 +61,13 @@ def test_stages_run_in_order_with_the_same_recipe_for_both_drafters(tmp_path):
     record = pipeline.run(args_for(tmp_path, "--steps", "30", "--kl", "0.5", "--tap-norm"), fake_mains(calls),
                           log=lambda m: None)
     names = [c[0] for c in calls]
-    assert names[:5] == ["generate_data", "build_cache", "train_drafter", "train_drafter", "calibrate"]
+    assert names[:6] == ["generate_data", "build_cache", "build_cache", "train_drafter", "train_drafter", "calibrate"]
     n_eval = len(pipeline.TEMPERATURES) * len(pipeline.DRAFTERS) * len(pipeline.DOMAINS)
-    assert names[5:] == ["evaluate"] * n_eval + ["summarize_eval"] * len(pipeline.TEMPERATURES)
-    dspark, dflash = calls[2][1], calls[3][1]
+    assert names[6:] == ["evaluate"] * n_eval + ["summarize_eval"] * len(pipeline.TEMPERATURES)
+    train_cache, val_cache = calls[1][1], calls[2][1]  # every shard of the manifest's 2, the last held out
+    assert train_cache[train_cache.index("--shards") + 1] == "0:1" and val_cache[val_cache.index("--shards") + 1] == "1:2"
+    dspark, dflash = calls[3][1], calls[4][1]
+    assert dspark[dspark.index("--val-cache") + 1].endswith("val_cache")
     strip = lambda a: [x for x in a if x not in ("dspark", "dflash") and not x.endswith(("/dspark", "/dflash"))]
     assert strip(dspark) == strip(dflash)  # same data, steps, seed and recipe options
     assert dspark[dspark.index("--steps") + 1] == "30" and "--tap-norm" in dspark and "--kl" in dspark
@@ -114,12 +121,13 @@ def test_shards_limit_generates_only_what_is_missing(tmp_path):
     pipeline.run(args_for(tmp_path, "--shards", "5"), fake_mains(calls), log=lambda m: None)
     gen = dict(calls)["generate_data"]
     assert gen[gen.index("--max-shards") + 1] == "2"
-    cache = dict(calls)["build_cache"]
-    assert cache[cache.index("--max-shards") + 1] == "5"
+    caches = [argv for name, argv in calls if name == "build_cache"]
+    assert [a[a.index("--shards") + 1] for a in caches] == ["0:4", "4:5"]
 
 
 @pytest.mark.parametrize("extra,match", [(["--steps", "0"], "--steps 0"), (["--shards", "0"], "--shards 0"),
-                                         (["--kl", "-1"], "--kl -1")])
+                                         (["--kl", "-1"], "--kl -1"), (["--shards", "2", "--val-shards", "2"],
+                                                                       "--val-shards 2")])
 def test_bad_options_are_refused_before_work(tmp_path, extra, match, capsys):
     with pytest.raises(SystemExit):
         args_for(tmp_path, *extra)
@@ -133,3 +141,12 @@ def test_missing_dev_prompts_are_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         pipeline.check_inputs(args, p)
     assert "gsm8k.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value,match", [("5", "expected START:STOP"), ("4:2", "0 <= START < STOP")])
+def test_build_cache_refuses_a_bad_shard_range(value, match, capsys, tmp_path):
+    from train import build_cache
+
+    with pytest.raises(SystemExit):
+        build_cache.main(["--data", str(tmp_path), "--out", str(tmp_path / "c"), "--shards", value])
+    assert match in capsys.readouterr().err

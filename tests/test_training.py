@@ -114,6 +114,23 @@ def test_loss_terms_match_numpy(vocab):
     np.testing.assert_allclose(float(distilled), float(loss) + 0.5 * ref["kl"], rtol=2e-3)
 
 
+def test_validation_metrics_are_held_out_and_logged(tmp_path):
+    w, cache = fake_cache()
+    _, held_out = fake_cache(n_seq=4, seed=7)
+    tc = training.TrainConfig(steps=4, log_every=2, ckpt_every=4, lr=1e-2, val_every=2, val_batches=2)
+    d = training.train(tiny_drafter(), loader_for(cache), w.embed, None, tc=tc, loss_cfg=training.LossConfig(),
+                       run_dir=tmp_path / "run", progress=False, val_loader=loader_for(held_out))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_tau_prob" in r] == [2, 4]
+    # the logged value is the held-out batches' loss under the final parameters, recomputed here
+    graphdef, params, buffers = nnx.split(d, nnx.Param, ...)
+    again = training.validate(training.make_eval_step(graphdef, training.LossConfig()), params, buffers,
+                              loader_for(held_out), w.embed, None, batches=2)
+    np.testing.assert_allclose(rows[-1]["val_loss"], again["val_loss"], rtol=1e-5)
+    assert again["val_tau_prob"] == training.probabilistic_tau(np.asarray(again["val_c_star"]))
+    assert 1.0 <= again["val_tau_prob"] <= 1.0 + G
+
+
 def test_checkpoint_resume_reproduces_uninterrupted_run(tmp_path):
     w, cache = fake_cache()
     tc = training.TrainConfig(steps=6, log_every=2, ckpt_every=2, lr=1e-2)

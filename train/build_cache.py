@@ -1,6 +1,7 @@
 """Build the target cache (tapped hidden states, final hidden states, log-partitions) of generated data.
 
     python -m train.build_cache --data data/responses --out runs/data/cache
+    python -m train.build_cache --data data/responses --out runs/data/val_cache --shards 80:85   # held out
 """
 
 from __future__ import annotations
@@ -17,12 +18,23 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="data/responses")
     p.add_argument("--out", default="runs/data/cache")
-    p.add_argument("--max-shards", type=int, default=None, help="only the first N shards of --data")
+    p.add_argument("--shards", default=None, metavar="START:STOP",
+                   help="only shards START..STOP-1 of --data (e.g. 0:80 to train, 80:85 to validate); default all")
     add_model_arguments(p, draft=False)
     args = p.parse_args(argv)
-    if args.max_shards is not None and args.max_shards < 1:
-        p.error(f"--max-shards {args.max_shards}: expected an integer >= 1")
-    chunks = load_responses(args.data, max_shards=args.max_shards)
+    shards = None
+    if args.shards is not None:
+        try:
+            start, stop = (int(x) for x in args.shards.split(":"))
+        except ValueError:
+            p.error(f"--shards {args.shards}: expected START:STOP, two integers (e.g. 0:80)")
+        if not 0 <= start < stop:
+            p.error(f"--shards {args.shards}: expected 0 <= START < STOP")
+        shards = range(start, stop)
+    try:
+        chunks = load_responses(args.data, shards=shards)
+    except ValueError as e:
+        p.error(str(e))
     if mesh_from_args(args) is not None:
         p.error("--tensor-parallel-size / --data-parallel-size: this command runs on one device")
     model = load_target(args.model, dtype=args.dtype)

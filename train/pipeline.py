@@ -9,8 +9,9 @@ held-out half of the dev prompts at temperatures 0 and 1.
 Stages, in order (each runs the command named, whose own progress it prints):
 
     data              train.generate_data    answers in --data (shared by every --out; committed shards count)
-    cache             train.build_cache      OUT/cache (the first --shards shards)
-    train-dspark      train.train_drafter    OUT/dspark     train-dflash   the same, --kind dflash: OUT/dflash
+    cache             train.build_cache      OUT/cache: the shards but the last --val-shards; OUT/val_cache: those
+    train-dspark      train.train_drafter    OUT/dspark (held-out tau in its metrics.jsonl); train-dflash the same,
+                                             --kind dflash: OUT/dflash
     calibrate-dspark  train.calibrate        STS beside OUT/dspark/export, from the dev calibration half
     calibrate-dflash  train.calibrate        (DFlash has no confidence head: skipped)
     eval              train.evaluate         OUT/eval/t{0,1}/{dspark,dflash}_{domain}.json, held-out dev half
@@ -49,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2 GGUF)")
     p.add_argument("--shards", type=int, default=None,
                    help="use the first N shards of answers (generating what is missing); default every prompt")
+    p.add_argument("--val-shards", type=int, default=1,
+                   help="the last N shards are held out: their teacher-forced accepted length is logged in training")
     p.add_argument("--steps", type=int, default=2000, help="training steps of each drafter")
     p.add_argument("--layers", type=int, default=None, help="draft layers (train.train_drafter's default)")
     p.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary (train_drafter's default)")
@@ -62,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_of(args: argparse.Namespace) -> dict:
     """The options that decide the results (a resumed run must repeat them)."""
-    return {k: getattr(args, k) for k in ("data", "model", "shards", "steps", "layers", "draft_vocab", "tap_norm",
-                                          "kl", "eval_limit", "eval_max_new_tokens", "seed")}
+    return {k: getattr(args, k) for k in ("data", "model", "shards", "val_shards", "steps", "layers", "draft_vocab",
+                                          "tap_norm", "kl", "eval_limit", "eval_max_new_tokens", "seed")}
 
 
 Command = tuple[str, Callable[[list[str]], object], list[str], Path | None]  # label, main, argv, output (skip if present)
@@ -81,6 +84,14 @@ def count_shards(folder: Path) -> int:
     return len(list(folder.glob("shard_*.npz")))
 
 
+def total_shards(args: argparse.Namespace) -> int:
+    """The shards the run uses: --shards, else every shard of the prompt set (the data stage's manifest)."""
+    if args.shards is not None:
+        return args.shards
+    manifest = json.loads((Path(args.data) / "manifest.json").read_text())["settings"]
+    return -(-manifest["prompts"] // manifest["shard_prompts"])
+
+
 def plan(args: argparse.Namespace, mains: dict) -> list[tuple[str, list[Command]]]:
     """The stages and their commands."""
     out, data = Path(args.out), Path(args.data)
@@ -92,9 +103,13 @@ def plan(args: argparse.Namespace, mains: dict) -> list[tuple[str, list[Command]
         gen += ["--max-shards", str(missing)]
     stages.append(("data", [] if args.shards is not None and missing == 0
                    else [("generate_data", mains["generate_data"], gen, None)]))
-    cache = ["--data", str(data), "--out", str(out / "cache")] + model
-    cache += [] if args.shards is None else ["--max-shards", str(args.shards)]
-    stages.append(("cache", [("build_cache", mains["build_cache"], cache, None)]))
+    caches = []  # the shard counts are read when the stage runs: the data stage writes the manifest first
+    for name, part in (("cache", "train"), ("val_cache", "val")):
+        if part == "val" and not args.val_shards:
+            continue
+        argv = ["--data", str(data), "--out", str(out / name)] + model
+        caches.append((f"build_cache {part}", _with_shards(mains["build_cache"], args, part), argv, None))
+    stages.append(("cache", caches))
     arch = []
     for flag, value in (("--layers", args.layers), ("--draft-vocab", args.draft_vocab)):
         arch += [] if value is None else [flag, str(value)]
@@ -103,6 +118,7 @@ def plan(args: argparse.Namespace, mains: dict) -> list[tuple[str, list[Command]
     for kind in DRAFTERS:
         argv = ["--cache", str(out / "cache"), "--run", str(out / kind), "--kind", kind, "--steps", str(args.steps),
                 "--seed", str(args.seed)] + arch + model
+        argv += ["--val-cache", str(out / "val_cache")] if args.val_shards else []
         stages.append((f"train-{kind}", [("train_drafter", mains["train_drafter"], argv, None)]))
     for kind in DRAFTERS:
         cmds = [] if kind == "dflash" else [
@@ -130,6 +146,18 @@ def plan(args: argparse.Namespace, mains: dict) -> list[tuple[str, list[Command]
     return stages
 
 
+def _with_shards(build_cache_main, args: argparse.Namespace, part: str):
+    """build_cache's main, given the shard range of ``part`` ("train" or "val") once the shard count is known."""
+    def main(argv):
+        n = total_shards(args)
+        if args.val_shards >= n:
+            raise SystemExit(f"--val-shards {args.val_shards}: leaves no training shard of {n}")
+        lo, hi = (0, n - args.val_shards) if part == "train" else (n - args.val_shards, n)
+        return build_cache_main(list(argv) + ["--shards", f"{lo}:{hi}"])
+
+    return main
+
+
 def check_inputs(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     """Refuse bad options and missing prompt sets before any long work."""
     for name in ("steps", "eval_limit", "eval_max_new_tokens"):
@@ -137,6 +165,8 @@ def check_inputs(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected an integer >= 1")
     if args.shards is not None and args.shards < 1:
         p.error(f"--shards {args.shards}: expected an integer >= 1")
+    if args.val_shards < 0 or (args.shards is not None and args.val_shards >= args.shards):
+        p.error(f"--val-shards {args.val_shards}: expected 0 <= N < --shards ({args.shards})")
     if not args.kl >= 0:
         p.error(f"--kl {args.kl}: expected a weight >= 0")
     dev = Path(args.dev_prompts)

@@ -88,6 +88,10 @@ def main(argv=None):
     p.add_argument("--kl", type=float, default=0.0, metavar="WEIGHT",
                    help="weight of the distillation term (soft cross-entropy against the target's distribution "
                         "over the draft vocabulary; see dspark_jax.training); default 0: the spec's loss")
+    p.add_argument("--val-cache", default=None, metavar="DIR",
+                   help="a target cache of held-out sequences (train.build_cache of other shards): its validation "
+                        "loss and probabilistic accepted length go to metrics.jsonl every --val-every steps")
+    p.add_argument("--val-every", type=int, default=100)
     p.add_argument("--blocks", type=int, default=256, help="blocks per batch")
     p.add_argument("--context-tokens", type=int, default=2048, help="context tokens per batch")
     p.add_argument("--lr", type=float, default=6e-4)
@@ -97,6 +101,8 @@ def main(argv=None):
     # Every check that needs no model comes first.
     if args.steps < 1:
         p.error(f"--steps {args.steps}: expected at least 1")
+    if args.val_every < 1:
+        p.error(f"--val-every {args.val_every}: expected at least 1")
     if args.init_from is None:
         if args.train != "all":
             p.error(f"--train {args.train} trains part of an existing drafter: name it with --init-from DRAFTER")
@@ -120,6 +126,10 @@ def main(argv=None):
     mesh = mesh_from_args(args)  # data-parallel training over --data-parallel-size devices
     target = load_target(args.model, dtype=args.dtype)
     check_cache_fits(cache, args.cache, target.cfg)
+    val_cache = None
+    if args.val_cache is not None:
+        val_cache = data.open_target_cache(args.val_cache)
+        check_cache_fits(val_cache, args.val_cache, target.cfg)
     # the draft vocabulary covers the target's probability mass: token counts of its T = 1 answers estimate it
     freqs = data.token_frequencies(cache, target.cfg.vocab_size, temperature=1.0)
     dspark = args.kind == "dspark"
@@ -159,18 +169,21 @@ def main(argv=None):
           + (f", from {source}, new: {', '.join(fresh) or 'none'}" if source is not None else "")
           + f"), draft vocabulary {len(vocab)} ({covered:.2%} of sampled assistant tokens), {loader.num_tokens} tokens "
           f"in {cache.num_sequences} sequences")
-    tc = training.TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed)
+    tc = training.TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed, val_every=args.val_every)
+    val_loader = None if val_cache is None else data.BlockLoader(
+        val_cache, block=cfg.block, blocks=args.blocks, context_tokens=args.context_tokens, seed=args.seed)
     t0 = time.perf_counter()
     drafter = training.train(drafter, loader, target.weights.embed, target.weights.lm_head, tc=tc,
                              loss_cfg=dataclasses.replace(heads.loss_for(args.train, args.kind), kl=args.kl),
-                             run_dir=run, trainable=trainable, mesh=mesh)
+                             run_dir=run, trainable=trainable, mesh=mesh, val_loader=val_loader)
     wall = time.perf_counter() - t0
     plot_training(run / "metrics.jsonl", run / "training.png", title=f"{args.kind} ({args.steps} steps)")
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     info = {"kind": args.kind, "steps": args.steps, "params": n_params, "trained_params": n_train,
             "train": args.train, "init_from": record["init_from"], "new_params": fresh,
             "draft_vocab_coverage": float(covered), "train_tokens": loader.num_tokens,
-            "final_tau_prob": last["tau_prob"], "wall_seconds_this_run": wall, "args": vars(args)}
+            "final_tau_prob": last["tau_prob"], "final_val_tau_prob": last.get("val_tau_prob"),
+            "wall_seconds_this_run": wall, "args": vars(args)}
     drafter_files.save_drafter(drafter, run / "export", extra={"training": info})
     print(json.dumps(info, indent=1))
 
