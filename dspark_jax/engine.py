@@ -734,9 +734,10 @@ class Engine:
                 lo = R // 2 + 1
                 hi = R * (G + 1) if drafting else R
                 plain = {(bucket_for(b), 1) for b in range(lo, R + 1)}  # rounds without drafts: B = n
-                widths = sorted({grid_bucket(k, G + 1) for k in range(2, G + 2)})  # B <= R * width
-                spec = ({(bucket_for(b), m) for m in widths for b in range(lo + 1, min(hi, R * m) + 1)}
-                        if drafting else set())
+                # width m holds a row of more tokens than the next narrower width (prev): n + prev <= B <= R * m
+                widths = sorted({grid_bucket(k, G + 1) for k in range(2, G + 2)})
+                spec = ({(bucket_for(b), m) for prev, m in zip([1] + widths, widths)
+                         for b in range(lo + prev, min(hi, R * m) + 1)} if drafting else set())
                 kinds = [(T, per_slot, drafting) for T, per_slot in sorted(plain | spec)]
                 if self._may_drop_context:  # rounds where no request has the drafter's context: none's programs
                     kinds += [(T, 1, False) for T, _ in sorted(plain)]
