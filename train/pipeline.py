@@ -1,6 +1,6 @@
 """The drafter pipeline in one resumable command: the target's answers, its hidden-state cache, a DSpark drafter
-and its DFlash baseline (same data, steps and seed), STS calibration of both, and their evaluation on the
-held-out half of the dev prompts at temperatures 0 and 1.
+and its DFlash baseline (same data, steps, seed and recipe options), STS calibration of DSpark's confidence
+head, and the evaluation of both on the held-out half of the dev prompts at temperatures 0 and 1.
 
     python -m train.pipeline --out runs/pipeline                          # SmolLM2: every shard, 2000 steps
     python -m train.pipeline --out runs/short --shards 8 --steps 300      # a shorter run on the first 8 shards
