@@ -66,8 +66,8 @@ from dspark_jax.models.llama import (
     bucket_for,
     commit,
     first_argmax,
-    grid_bucket,
     forward_packed,
+    grid_bucket,
     prefill,
     prefill_chunks,
 )

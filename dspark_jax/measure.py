@@ -245,15 +245,15 @@ def _verify_step(weights: LlamaWeights, cfg: LlamaConfig, *, rows: int, batch_to
     replaced at each call), and a function that frees the cache."""
     if rows < 1 or batch_tokens < 1 or context < 0:
         raise ValueError(f"rows, batch_tokens >= 1 and context >= 0 expected, got {rows}, {batch_tokens}, {context}")
-    n_valid = min(batch_tokens, rows if plain else rows * (block + 1))
+    batch = verify_batch(rows=rows, batch_tokens=batch_tokens, context=context, block=block,
+                         vocab_size=cfg.vocab_size, plain=plain)
+    n_valid = int(batch[3].sum())
     M = 1 if plain else grid_bucket(max(2, -(-n_valid // rows)), block + 1)  # as the engine: rows of B / R tokens
     W, _ = round_windows(context, block, CONTEXT_STEP, window_rule)
     # Every input committed to the weights' device, as the donated cache returned by each call is: otherwise
     # the second call compiles again (committed and uncommitted arguments compile separately).
     put = _put_like(weights.embed)
-    tokens, slots, positions, valid = (put(a) for a in verify_batch(rows=rows, batch_tokens=batch_tokens,
-                                                                     context=context, block=block,
-                                                                     vocab_size=cfg.vocab_size, plain=plain))
+    tokens, slots, positions, valid = (put(a) for a in batch)
     row_slots = put(np.arange(rows, dtype=np.int32))  # [R]
     cache = init_cache(cfg, rows, W, weights.embed.dtype)
     cache = cache.replace(lengths=jnp.full((rows,), context, jnp.int32))

@@ -45,8 +45,9 @@ __all__ = ["interleaved", "round_stage_rows", "target_step_rows", "weights_only_
 def weights_only_forward(weights: LlamaWeights, tokens: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """The target's weight matmuls alone: what a step over ``T`` tokens cannot go below.
 
-    The layers run unrolled over per-layer weights, as in the model; in place of attention each query head is multiplied by its key/value head's ``k + v`` (an elementwise
-    stand-in that keeps the K and V projections live), so no cache is read or written.
+    The layers run unrolled over per-layer weights, as in the model; in place of attention each query head is
+    multiplied by its key/value head's ``k + v`` (an elementwise stand-in that keeps the K and V projections
+    live), so no cache is read or written.
 
     Args:
         weights: model weights.

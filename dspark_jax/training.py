@@ -18,6 +18,7 @@ Loss (spec section 5), each term a weighted mean over block slots with weights `
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -162,6 +163,12 @@ def shard_batch(batch: dict[str, jax.Array], mesh) -> dict[str, jax.Array]:
     return place(batch, axes, mesh)
 
 
+def _module_loss(graphdef, loss_cfg: LossConfig, params, buffers, batch, embed, lm_head):
+    """`block_loss` of the module rebuilt from its trained and frozen state."""
+    model = nnx.merge(graphdef, params, buffers)
+    return block_loss(model, batch, embed, draft_head_weights(model, embed, lm_head), loss_cfg)
+
+
 def make_train_step(graphdef, loss_cfg: LossConfig, tx: optax.GradientTransformation):
     """A jitted pure step (params, buffers, opt_state, batch, embed, lm_head) -> (params, opt_state, metrics).
 
@@ -169,10 +176,7 @@ def make_train_step(graphdef, loss_cfg: LossConfig, tx: optax.GradientTransforma
     state, frozen parameters included: it enters the loss as a constant, so no gradient flows into it.
     """
 
-    def loss_fn(params, buffers, batch, embed, lm_head):
-        model = nnx.merge(graphdef, params, buffers)
-        head_w = draft_head_weights(model, embed, lm_head)
-        return block_loss(model, batch, embed, head_w, loss_cfg)
+    loss_fn = functools.partial(_module_loss, graphdef, loss_cfg)
 
     @jax.jit
     def step(params, buffers, opt_state, batch, embed, lm_head):
@@ -190,8 +194,7 @@ def make_eval_step(graphdef, loss_cfg: LossConfig):
 
     @jax.jit
     def step(params, buffers, batch, embed, lm_head):
-        model = nnx.merge(graphdef, params, buffers)
-        loss, metrics = block_loss(model, batch, embed, draft_head_weights(model, embed, lm_head), loss_cfg)
+        loss, metrics = _module_loss(graphdef, loss_cfg, params, buffers, batch, embed, lm_head)
         return dict(metrics, loss=loss)
 
     return step

@@ -4,8 +4,8 @@
     python -m profiling.bench_attention --slots 64 --context 1280
 
 The measurement behind the target's per-layer cache (`models.llama` once ran its layers in one `lax.scan`
-over a cache stacked as [L, S, K, E, C], each layer reading its slice ``cache[i]``). This times the attention products alone (scores, softmax, values; one query row per slot, the
-target's head shapes) over L layers three ways on the same data: (1) the scan with ``cache[i]`` (dynamic index,
+over a cache stacked as [L, S, K, E, C], each layer reading its slice ``cache[i]``). This times the attention
+products alone (scores, softmax, values; one query row per slot, the target's head shapes) over L layers three ways on the same data: (1) the scan with ``cache[i]`` (dynamic index,
 the old layout), (2) an unrolled loop over a stacked cache with static ``cache[i]``, (3) an unrolled
 loop over per-layer arrays (what `models.llama` holds now). Medians of ``--repeats`` calls after the first
 (compile) call, and each way's ratio to (3).
