@@ -58,7 +58,8 @@ def args_for(tmp_path, *extra):
 
 def test_stages_run_in_order_with_the_same_recipe_for_both_drafters(tmp_path):
     calls = []
-    record = pipeline.run(args_for(tmp_path, "--steps", "30", "--kl", "0.5", "--tap-norm"), fake_mains(calls),
+    record = pipeline.run(args_for(tmp_path, "--steps", "30", "--kl", "0.5", "--tap-norm", "--lr", "0.002"),
+                          fake_mains(calls),
                           log=lambda m: None)
     names = [c[0] for c in calls]
     assert names[:6] == ["generate_data", "build_cache", "build_cache", "train_drafter", "train_drafter", "calibrate"]
@@ -71,6 +72,7 @@ def test_stages_run_in_order_with_the_same_recipe_for_both_drafters(tmp_path):
     strip = lambda a: [x for x in a if x not in ("dspark", "dflash") and not x.endswith(("/dspark", "/dflash"))]
     assert strip(dspark) == strip(dflash)  # same data, steps, seed and recipe options
     assert dspark[dspark.index("--steps") + 1] == "30" and "--tap-norm" in dspark and "--kl" in dspark
+    assert dspark[dspark.index("--lr") + 1] == "0.002" and "--context-tokens" not in dspark  # unset: its default
     evals = [c[1] for c in calls if c[0] == "evaluate"]
     assert all(a[a.index("--half") + 1] == "eval" for a in evals)  # the held-out half only
     assert {a[a.index("--temperature") + 1] for a in evals} == {"0", "1"}
@@ -127,7 +129,8 @@ def test_shards_limit_generates_only_what_is_missing(tmp_path):
 
 @pytest.mark.parametrize("extra,match", [(["--steps", "0"], "--steps 0"), (["--shards", "0"], "--shards 0"),
                                          (["--kl", "-1"], "--kl -1"), (["--shards", "2", "--val-shards", "2"],
-                                                                       "--val-shards 2")])
+                                                                       "--val-shards 2"),
+                                         (["--lr", "0"], "--lr 0"), (["--context-tokens", "0"], "--context-tokens 0")])
 def test_bad_options_are_refused_before_work(tmp_path, extra, match, capsys):
     with pytest.raises(SystemExit):
         args_for(tmp_path, *extra)

@@ -21,6 +21,7 @@ import numpy as np
 
 # recipe fields of run.json's "config" (and the run's own "kl") shown when they differ between the runs
 RECIPE = ("n_layers", "ffn_dim", "rank", "head", "draft_vocab_size", "tap_norm", "block")
+OPTIM = ("lr", "blocks", "context_tokens")  # train.train_drafter's options that shape the optimisation
 
 
 def read_run(folder: Path) -> dict:
@@ -31,14 +32,17 @@ def read_run(folder: Path) -> dict:
             raise SystemExit(f"{folder}: no {path.name}; expected a train.train_drafter --run folder")
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     export = folder / "export" / "config.json"  # written when the run finished: its parameter count
-    params = json.loads(export.read_text())["training"]["params"] if export.is_file() else None
-    return {"name": folder.name, "run": json.loads(run_json.read_text()), "rows": rows, "params": params}
+    training = json.loads(export.read_text())["training"] if export.is_file() else {}
+    return {"name": folder.name, "run": json.loads(run_json.read_text()), "rows": rows,
+            "params": training.get("params"), "args": training.get("args", {})}
 
 
 def recipe_of(run: dict) -> dict:
     cfg = run["run"]["config"]
     recipe = {"kind": run["run"]["kind"], **{k: cfg.get(k) for k in RECIPE}}
     recipe["kl"] = run["run"].get("kl", 0.0)
+    for key in OPTIM:  # run.json holds them; runs started before it did, their export's arguments
+        recipe[key] = run["run"].get(key, run["args"].get(key))
     return recipe
 
 

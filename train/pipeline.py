@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary (train_drafter's default)")
     p.add_argument("--tap-norm", action="store_true", help="normalise each tapped layer (train_drafter)")
     p.add_argument("--kl", type=float, default=0.0, help="distillation weight (train_drafter --kl)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (train_drafter's default)")
+    p.add_argument("--context-tokens", type=int, default=None,
+                   help="context tokens per training batch (train_drafter's default)")
     p.add_argument("--eval-limit", type=int, default=20, help="held-out dev prompts per domain and temperature")
     p.add_argument("--eval-max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
@@ -66,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_of(args: argparse.Namespace) -> dict:
     """The options that decide the results (a resumed run must repeat them)."""
     return {k: getattr(args, k) for k in ("data", "model", "shards", "val_shards", "steps", "layers", "draft_vocab",
-                                          "tap_norm", "kl", "eval_limit", "eval_max_new_tokens", "seed")}
+                                          "tap_norm", "kl", "lr", "context_tokens", "eval_limit", "eval_max_new_tokens",
+                                          "seed")}
 
 
 Command = tuple[str, Callable[[list[str]], object], list[str], Path | None]  # label, main, argv, output (skip if present)
@@ -111,7 +115,8 @@ def plan(args: argparse.Namespace, mains: dict) -> list[tuple[str, list[Command]
         caches.append((f"build_cache {part}", _with_shards(mains["build_cache"], args, part), argv, None))
     stages.append(("cache", caches))
     arch = []
-    for flag, value in (("--layers", args.layers), ("--draft-vocab", args.draft_vocab)):
+    for flag, value in (("--layers", args.layers), ("--draft-vocab", args.draft_vocab), ("--lr", args.lr),
+                        ("--context-tokens", args.context_tokens)):
         arch += [] if value is None else [flag, str(value)]
     arch += ["--tap-norm"] if args.tap_norm else []
     arch += ["--kl", str(args.kl)] if args.kl else []
@@ -167,6 +172,10 @@ def check_inputs(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"--shards {args.shards}: expected an integer >= 1")
     if args.val_shards < 0 or (args.shards is not None and args.val_shards >= args.shards):
         p.error(f"--val-shards {args.val_shards}: expected 0 <= N < --shards ({args.shards})")
+    if args.lr is not None and not args.lr > 0:
+        p.error(f"--lr {args.lr}: expected a learning rate > 0")
+    if args.context_tokens is not None and args.context_tokens < 1:
+        p.error(f"--context-tokens {args.context_tokens}: expected an integer >= 1")
     if not args.kl >= 0:
         p.error(f"--kl {args.kl}: expected a weight >= 0")
     dev = Path(args.dev_prompts)

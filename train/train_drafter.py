@@ -156,7 +156,8 @@ def main(argv=None):
     covered = freqs[vocab].sum() / max(freqs.sum(), 1)
     record = {"kind": args.kind, "train": args.train, "init_from": None if source is None else str(source),
               "config": cfg.to_dict(), "model": args.model, "seed": args.seed,
-              **({"kl": args.kl} if args.kl else {})}  # absent at 0: runs started before the option resume
+              **({"kl": args.kl} if args.kl else {}),  # absent at 0: runs started before the option resume
+              "lr": args.lr, "blocks": args.blocks, "context_tokens": args.context_tokens}
     check_resume(run, record)
     run.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run / "run.json", json.dumps(record, indent=1) + "\n")
