@@ -215,6 +215,14 @@ def validate(eval_step, params, buffers, val_loader, embed, lm_head, *, batches:
             "val_tau_prob": probabilistic_tau(c_star)}
 
 
+def validate_drafter(drafter: Drafter, val_loader, embed: jax.Array, lm_head: jax.Array | None, *,
+                     loss_cfg: LossConfig, batches: int = 8) -> dict[str, float]:
+    """`validate` of a drafter as it stands (no training): the same held-out metrics `train` logs."""
+    graphdef, params, buffers = nnx.split(drafter, nnx.Param, ...)
+    return validate(make_eval_step(graphdef, loss_cfg), params, buffers, val_loader, embed, lm_head,
+                    batches=batches)
+
+
 def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None, *, tc: TrainConfig,
           loss_cfg: LossConfig, run_dir: str | os.PathLike, progress: bool = True, trainable=nnx.Param, mesh=None,
           val_loader=None) -> Drafter:

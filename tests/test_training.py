@@ -123,9 +123,8 @@ def test_validation_metrics_are_held_out_and_logged(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "val_tau_prob" in r] == [2, 4]
     # the logged value is the held-out batches' loss under the final parameters, recomputed here
-    graphdef, params, buffers = nnx.split(d, nnx.Param, ...)
-    again = training.validate(training.make_eval_step(graphdef, training.LossConfig()), params, buffers,
-                              loader_for(held_out), w.embed, None, batches=2)
+    again = training.validate_drafter(d, loader_for(held_out), w.embed, None, loss_cfg=training.LossConfig(),
+                                      batches=2)
     np.testing.assert_allclose(rows[-1]["val_loss"], again["val_loss"], rtol=1e-5)
     assert again["val_tau_prob"] == training.probabilistic_tau(np.asarray(again["val_c_star"]))
     assert 1.0 <= again["val_tau_prob"] <= 1.0 + G

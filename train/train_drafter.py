@@ -49,6 +49,16 @@ def check_cache_fits(cache: data.TargetCache, cache_dir: str, target_cfg) -> Non
                          f"has {want}; build the cache with the same --model (train.build_cache)")
 
 
+# Held-out blocks are drawn with one fixed shape and seed, whatever the training batch's: runs with other
+# --blocks, --context-tokens or --seed are then compared on the same blocks (8 batches of 8192 context tokens
+# hold 2048 blocks from 64 to 256 sequences).
+VAL_BLOCKS, VAL_CONTEXT_TOKENS = 256, 8192
+
+
+def held_out_loader(val_cache, block: int) -> data.BlockLoader:
+    return data.BlockLoader(val_cache, block=block, blocks=VAL_BLOCKS, context_tokens=VAL_CONTEXT_TOKENS, seed=0)
+
+
 def check_resume(run: Path, record: dict) -> None:
     """A run folder with checkpoints resumes only the drafter it was started for (same record)."""
     path = run / "run.json"
@@ -92,8 +102,13 @@ def main(argv=None):
                    help="a target cache of held-out sequences (train.build_cache of other shards): its validation "
                         "loss and probabilistic accepted length go to metrics.jsonl every --val-every steps")
     p.add_argument("--val-every", type=int, default=100)
+    p.add_argument("--validate-only", action="store_true",
+                   help="train nothing: the --init-from drafter's held-out metrics on --val-cache go to "
+                        "RUN/validation.json (the blocks training runs are validated on)")
     p.add_argument("--blocks", type=int, default=256, help="blocks per batch")
-    p.add_argument("--context-tokens", type=int, default=2048, help="context tokens per batch")
+    p.add_argument("--context-tokens", type=int, default=8192,
+                   help="context tokens per batch: with --blocks, how many sequences a step draws its blocks from "
+                        "(8192: 8 to 32 sequences; 2048 learned less per step, docs/design.md)")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -114,6 +129,8 @@ def main(argv=None):
         if args.init_from not in SHIPPED and not Path(args.init_from).exists():
             raise ValueError(f"--init-from {args.init_from}: no such folder; expected one of {SHIPPED} or a "
                              f"drafter folder")
+    if args.validate_only and (args.init_from is None or args.val_cache is None):
+        p.error("--validate-only: name the drafter with --init-from and the held-out cache with --val-cache")
     if args.kind == "dflash" and args.head is not None:
         p.error("--head: a DFlash drafter has no sequential head")
     if not args.kl >= 0.0:
@@ -158,6 +175,15 @@ def main(argv=None):
               "config": cfg.to_dict(), "model": args.model, "seed": args.seed,
               **({"kl": args.kl} if args.kl else {}),  # absent at 0: runs started before the option resume
               "lr": args.lr, "blocks": args.blocks, "context_tokens": args.context_tokens}
+    if args.validate_only:
+        loss_cfg = dataclasses.replace(heads.loss_for("all", args.kind), kl=args.kl)
+        val = training.validate_drafter(drafter, held_out_loader(val_cache, cfg.block), target.weights.embed,
+                                        target.weights.lm_head, loss_cfg=loss_cfg,
+                                        batches=training.TrainConfig.val_batches)
+        run.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run / "validation.json", json.dumps({"drafter": str(source), **val}, indent=1) + "\n")
+        print(f"{source}: val_tau_prob {val['val_tau_prob']:.4f}, val_loss {val['val_loss']:.4f}")
+        return val
     check_resume(run, record)
     run.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run / "run.json", json.dumps(record, indent=1) + "\n")
@@ -171,8 +197,7 @@ def main(argv=None):
           + f"), draft vocabulary {len(vocab)} ({covered:.2%} of sampled assistant tokens), {loader.num_tokens} tokens "
           f"in {cache.num_sequences} sequences")
     tc = training.TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed, val_every=args.val_every)
-    val_loader = None if val_cache is None else data.BlockLoader(
-        val_cache, block=cfg.block, blocks=args.blocks, context_tokens=args.context_tokens, seed=args.seed)
+    val_loader = None if val_cache is None else held_out_loader(val_cache, cfg.block)
     t0 = time.perf_counter()
     drafter = training.train(drafter, loader, target.weights.embed, target.weights.lm_head, tc=tc,
                              loss_cfg=dataclasses.replace(heads.loss_for(args.train, args.kind), kl=args.kl),
