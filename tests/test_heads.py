@@ -13,7 +13,7 @@ from dspark_jax import data, drafters, heads, training
 from dspark_jax.models import drafter_files
 from dspark_jax.models.drafter import Buffer, Drafter, DrafterConfig
 from dspark_jax.models.llama import LlamaConfig, LlamaModel
-from tests.test_training import TARGET, fake_cache, loader_for, tiny_drafter
+from tests.test_training import TARGET, G, fake_cache, loader_for, tiny_drafter
 from train import calibrate, evaluate, train_drafter
 
 
@@ -104,6 +104,26 @@ def test_heads_from_a_dflash_drafter_on_its_frozen_backbone(setup, monkeypatch):
         train_drafter.main(run_args(s, "--init-from", str(s.src), "--train", "all", "--rank", "4", "--steps", "3"))
 
 
+def test_validate_only_scores_a_drafter_on_the_blocks_training_logged(setup, monkeypatch):
+    """A trained run's last held-out row is reproduced by --validate-only of its export (float16 weights),
+    a DFlash drafter is scored as itself (no heads added), and nothing is trained."""
+    s = setup
+    loader = data.BlockLoader
+    monkeypatch.setattr(data, "BlockLoader", lambda cache, **kw: loader(cache, buckets=(32,), **kw))
+    train_drafter.main(run_args(s, "--layers", "1", "--ffn", "16", "--rank", "4", "--steps", "2",
+                                "--val-cache", s.cache, "--val-every", "2"))
+    rows = [json.loads(x) for x in (s.tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    monkeypatch.setattr(train_drafter.training, "train", fail_if_reached)
+    val = train_drafter.main(["--cache", s.cache, "--run", str(s.tmp / "val"), "--val-cache", s.cache,
+                              "--init-from", str(s.tmp / "run" / "export"), "--validate-only"])
+    np.testing.assert_allclose(val["val_tau_prob"], rows[-1]["val_tau_prob"], rtol=1e-3)
+    np.testing.assert_allclose(val["val_loss"], rows[-1]["val_loss"], rtol=1e-2)
+    assert json.loads((s.tmp / "val" / "validation.json").read_text())["val_tau_prob"] == val["val_tau_prob"]
+    flash = train_drafter.main(["--cache", s.cache, "--run", str(s.tmp / "val2"), "--val-cache", s.cache,
+                                "--init-from", str(s.src), "--validate-only"])
+    assert 1.0 <= flash["val_tau_prob"] <= 1.0 + G
+
+
 def fail_if_reached(*a, **k):
     raise AssertionError("reached long work")
 
@@ -113,6 +133,7 @@ def fail_if_reached(*a, **k):
     (["--train", "heads"], "--train heads trains part of an existing drafter"),
     (["--init-from", "dflash", "--layers", "3"], "--layers: the architecture comes from --init-from"),
     (["--kind", "dflash", "--head", "rnn"], "--head: a DFlash drafter has no sequential head"),
+    (["--validate-only", "--init-from", "dflash"], "--validate-only: name the drafter with --init-from and the held"),
 ])
 def test_bad_options_stop_at_parsing(setup, monkeypatch, capsys, extra, error):
     monkeypatch.setattr(train_drafter, "load_target", fail_if_reached)

@@ -59,6 +59,24 @@ def held_out_loader(val_cache, block: int) -> data.BlockLoader:
     return data.BlockLoader(val_cache, block=block, blocks=VAL_BLOCKS, context_tokens=VAL_CONTEXT_TOKENS, seed=0)
 
 
+def validate_only(args: argparse.Namespace, target, val_cache: data.TargetCache) -> dict:
+    """The --init-from drafter as it is (its own kind and heads), scored on the held-out blocks."""
+    try:
+        drafter, _, _, source = resolve_drafter(args.init_from, target_cfg=target.cfg)
+    except ValueError as err:
+        raise ValueError(f"--init-from {args.init_from}: {err}") from err
+    kind = "dspark" if drafter.cfg.confidence else "dflash"
+    loss_cfg = dataclasses.replace(heads.loss_for("all", kind), kl=args.kl)
+    val = training.validate_drafter(drafter, held_out_loader(val_cache, drafter.cfg.block), target.weights.embed,
+                                    target.weights.lm_head, loss_cfg=loss_cfg,
+                                    batches=training.TrainConfig.val_batches)
+    run = Path(args.run)
+    run.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run / "validation.json", json.dumps({"drafter": str(source), **val}, indent=1) + "\n")
+    print(f"{source}: val_tau_prob {val['val_tau_prob']:.4f}, val_loss {val['val_loss']:.4f}")
+    return val
+
+
 def check_resume(run: Path, record: dict) -> None:
     """A run folder with checkpoints resumes only the drafter it was started for (same record)."""
     path = run / "run.json"
@@ -147,6 +165,8 @@ def main(argv=None):
     if args.val_cache is not None:
         val_cache = data.open_target_cache(args.val_cache)
         check_cache_fits(val_cache, args.val_cache, target.cfg)
+    if args.validate_only:
+        return validate_only(args, target, val_cache)
     # the draft vocabulary covers the target's probability mass: token counts of its T = 1 answers estimate it
     freqs = data.token_frequencies(cache, target.cfg.vocab_size, temperature=1.0)
     dspark = args.kind == "dspark"
@@ -175,15 +195,6 @@ def main(argv=None):
               "config": cfg.to_dict(), "model": args.model, "seed": args.seed,
               **({"kl": args.kl} if args.kl else {}),  # absent at 0: runs started before the option resume
               "lr": args.lr, "blocks": args.blocks, "context_tokens": args.context_tokens}
-    if args.validate_only:
-        loss_cfg = dataclasses.replace(heads.loss_for("all", args.kind), kl=args.kl)
-        val = training.validate_drafter(drafter, held_out_loader(val_cache, cfg.block), target.weights.embed,
-                                        target.weights.lm_head, loss_cfg=loss_cfg,
-                                        batches=training.TrainConfig.val_batches)
-        run.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run / "validation.json", json.dumps({"drafter": str(source), **val}, indent=1) + "\n")
-        print(f"{source}: val_tau_prob {val['val_tau_prob']:.4f}, val_loss {val['val_loss']:.4f}")
-        return val
     check_resume(run, record)
     run.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run / "run.json", json.dumps(record, indent=1) + "\n")
