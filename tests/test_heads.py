@@ -106,7 +106,7 @@ def test_heads_from_a_dflash_drafter_on_its_frozen_backbone(setup, monkeypatch):
 
 def test_validate_only_scores_a_drafter_on_the_blocks_training_logged(setup, monkeypatch):
     """A trained run's last held-out row is reproduced by --validate-only of its export (float16 weights),
-    a DFlash drafter is scored as itself (no heads added), and nothing is trained."""
+    a DFlash drafter is scored as itself (no heads added), and nothing is trained (no training cache is read)."""
     s = setup
     loader = data.BlockLoader
     monkeypatch.setattr(data, "BlockLoader", lambda cache, **kw: loader(cache, buckets=(32,), **kw))
@@ -114,12 +114,12 @@ def test_validate_only_scores_a_drafter_on_the_blocks_training_logged(setup, mon
                                 "--val-cache", s.cache, "--val-every", "2"))
     rows = [json.loads(x) for x in (s.tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     monkeypatch.setattr(train_drafter.training, "train", fail_if_reached)
-    val = train_drafter.main(["--cache", s.cache, "--run", str(s.tmp / "val"), "--val-cache", s.cache,
+    val = train_drafter.main(["--cache", str(s.tmp / "absent"), "--run", str(s.tmp / "val"), "--val-cache", s.cache,
                               "--init-from", str(s.tmp / "run" / "export"), "--validate-only"])
     np.testing.assert_allclose(val["val_tau_prob"], rows[-1]["val_tau_prob"], rtol=1e-3)
     np.testing.assert_allclose(val["val_loss"], rows[-1]["val_loss"], rtol=1e-2)
     assert json.loads((s.tmp / "val" / "validation.json").read_text())["val_tau_prob"] == val["val_tau_prob"]
-    flash = train_drafter.main(["--cache", s.cache, "--run", str(s.tmp / "val2"), "--val-cache", s.cache,
+    flash = train_drafter.main(["--run", str(s.tmp / "val2"), "--val-cache", s.cache,
                                 "--init-from", str(s.src), "--validate-only"])
     assert 1.0 <= flash["val_tau_prob"] <= 1.0 + G
 

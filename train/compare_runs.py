@@ -4,7 +4,8 @@
 
 Reads each RUN's run.json (the drafter's configuration and recipe) and metrics.jsonl (what
 `train.train_drafter --val-cache` logs). Every run is read at the same step, the largest step at which all of
-them logged held-out metrics, so runs of different lengths are compared fairly; with ``--step N`` at step N.
+them logged held-out metrics (with ``--step N``, at step N). Runs of one ``--steps`` compare like with like: the
+learning-rate schedule follows ``--steps``, so a longer run at the same step is earlier in its schedule.
 Columns: the recipe (what differs between the runs), the step, the held-out loss and probabilistic accepted
 length (tau at G drafts, teacher-forced), the training tau at that step, seconds per step (the
 median of the logged rows: the cost of the recipe on the machine it ran on) and parameters (once a run
@@ -87,9 +88,9 @@ def table(result: dict) -> str:
     head = ["run", *keys, "step", "val loss", "val tau", "train tau", "params (M)", "s / step"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * (1 + len(keys)) + " ---: |" * 6]
     for r in runs:
+        params = "-" if r["params"] is None else f"{r['params'] / 1e6:.2f}"
         cells = [r["name"], *(str(r["recipe"][k]) for k in keys), str(result["step"]), f"{r['val_loss']:.4f}",
-                 f"{r['val_tau_prob']:.3f}", f"{r['tau_prob']:.3f}", "-" if r["params"] is None else f"{r['params'] / 1e6:.2f}",
-                 f"{r['seconds_per_step']:.2f}"]
+                 f"{r['val_tau_prob']:.3f}", f"{r['tau_prob']:.3f}", params, f"{r['seconds_per_step']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -114,15 +114,15 @@ def plan(args: argparse.Namespace, mains: dict) -> list[tuple[str, list[Command]
         argv = ["--data", str(data), "--out", str(out / name)] + model
         caches.append((f"build_cache {part}", _with_shards(mains["build_cache"], args, part), argv, None))
     stages.append(("cache", caches))
-    arch = []
+    recipe = []
     for flag, value in (("--layers", args.layers), ("--draft-vocab", args.draft_vocab), ("--lr", args.lr),
                         ("--context-tokens", args.context_tokens)):
-        arch += [] if value is None else [flag, str(value)]
-    arch += ["--tap-norm"] if args.tap_norm else []
-    arch += ["--kl", str(args.kl)] if args.kl else []
+        recipe += [] if value is None else [flag, str(value)]
+    recipe += ["--tap-norm"] if args.tap_norm else []
+    recipe += ["--kl", str(args.kl)] if args.kl else []
     for kind in DRAFTERS:
         argv = ["--cache", str(out / "cache"), "--run", str(out / kind), "--kind", kind, "--steps", str(args.steps),
-                "--seed", str(args.seed)] + arch + model
+                "--seed", str(args.seed)] + recipe + model
         argv += ["--val-cache", str(out / "val_cache")] if args.val_shards else []
         stages.append((f"train-{kind}", [("train_drafter", mains["train_drafter"], argv, None)]))
     for kind in DRAFTERS:

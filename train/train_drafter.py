@@ -59,12 +59,18 @@ def held_out_loader(val_cache, block: int) -> data.BlockLoader:
     return data.BlockLoader(val_cache, block=block, blocks=VAL_BLOCKS, context_tokens=VAL_CONTEXT_TOKENS, seed=0)
 
 
-def validate_only(args: argparse.Namespace, target, val_cache: data.TargetCache) -> dict:
-    """The --init-from drafter as it is (its own kind and heads), scored on the held-out blocks."""
+def init_source(args: argparse.Namespace, target) -> tuple[Drafter, Path]:
+    """The --init-from drafter and its folder, loaded for ``target`` (an error names the option)."""
     try:
         drafter, _, _, source = resolve_drafter(args.init_from, target_cfg=target.cfg)
     except ValueError as err:
         raise ValueError(f"--init-from {args.init_from}: {err}") from err
+    return drafter, source
+
+
+def validate_only(args: argparse.Namespace, target, val_cache: data.TargetCache) -> dict:
+    """The --init-from drafter as it is (its own kind and heads), scored on the held-out blocks."""
+    drafter, source = init_source(args, target)
     kind = "dspark" if drafter.cfg.confidence else "dflash"
     loss_cfg = dataclasses.replace(heads.loss_for("all", kind), kl=args.kl)
     val = training.validate_drafter(drafter, held_out_loader(val_cache, drafter.cfg.block), target.weights.embed,
@@ -155,12 +161,13 @@ def main(argv=None):
         p.error(f"--kl {args.kl}: expected a weight >= 0")
     if args.kl and args.train == "confidence":
         p.error("--kl: --train confidence trains the confidence head alone, which the distillation term does not reach")
-    cache = data.open_target_cache(args.cache)
+    cache = None if args.validate_only else data.open_target_cache(args.cache)  # validation reads no training data
     run = Path(args.run)
 
     mesh = mesh_from_args(args)  # data-parallel training over --data-parallel-size devices
     target = load_target(args.model, dtype=args.dtype)
-    check_cache_fits(cache, args.cache, target.cfg)
+    if cache is not None:
+        check_cache_fits(cache, args.cache, target.cfg)
     val_cache = None
     if args.val_cache is not None:
         val_cache = data.open_target_cache(args.val_cache)
@@ -183,10 +190,7 @@ def main(argv=None):
         drafter = Drafter(cfg, rngs=nnx.Rngs(args.seed), vocab_ids=vocab)
         source = None
     else:
-        try:
-            src, _, _, source = resolve_drafter(args.init_from, target_cfg=target.cfg)
-        except ValueError as err:
-            raise ValueError(f"--init-from {args.init_from}: {err}") from err
+        src, source = init_source(args, target)
         cfg = heads.head_config(src.cfg, part=args.train, kind=args.kind, head=args.head, rank=args.rank)
         drafter, fresh = heads.extend_drafter(src, cfg, seed=args.seed)
         vocab = jax.device_get(drafter.vocab_ids[...])
