@@ -20,6 +20,7 @@ import numpy as np
 
 from dspark_jax.models.llama import (CONTEXT_STEP, KVCache, LlamaModel, context_bucket, copy_slot, first_argmax,
                                      prefill, prefill_chunks)
+from dspark_jax.sampling import categorical
 
 
 @jax.jit
@@ -47,7 +48,7 @@ def sample_tokens(logits: jax.Array, seed: jax.Array, request_ids: jax.Array, po
     logits = logits.astype(jnp.float32)
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), request_ids.shape)  # [S]
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
-    sampled = jax.vmap(jax.random.categorical)(keys, logits / safe_t[:, None])
+    sampled = categorical(keys, logits / safe_t[:, None])
     return jnp.where(temperature > 0, sampled, first_argmax(logits)).astype(jnp.int32)
 
 

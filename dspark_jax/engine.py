@@ -56,6 +56,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import calibration, gate, scheduler, verify
+from dspark_jax.sampling import categorical
 from dspark_jax.sps import SPSTable, context_window, default_sps_table, plain_sps_from_cost, sps_from_cost
 from dspark_jax.timing import compile_count
 from dspark_jax.models import drafter as dr
@@ -965,7 +966,7 @@ def _sample_first(logits, request, position, temperature, top_p, seed, *, greedy
     scaled = logits.astype(jnp.float32) / temperature  # [V]
     law = _target_law(scaled[None, None], top_p[None])[0, 0]
     nucleus = jnp.where(law > 0, jnp.log(jnp.where(law > 0, law, 1.0)), -jnp.inf)
-    return jax.random.categorical(key, jnp.where(top_p < 1, nucleus, scaled)).astype(jnp.int32)
+    return categorical(key[None], jnp.where(top_p < 1, nucleus, scaled)[None])[0]
 
 
 def _target_law(scaled_logits, top_p):

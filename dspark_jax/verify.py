@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.models.llama import first_argmax
+from dspark_jax.sampling import categorical
 
 __all__ = ["acceptance_probs", "next_token_probs", "speculative_accept", "greedy_accept", "greedy_accept_tokens",
            "leading_true", "top_p_filter"]
@@ -177,7 +178,7 @@ def speculative_accept(
     n = leading_true(accepted, lengths)
     probs = next_token_probs(draft_probs, target_probs, n, lengths, draft_vocab)  # [R, V]
     logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-    nxt = jax.vmap(jax.random.categorical)(sample_keys, logp).astype(jnp.int32)
+    nxt = categorical(sample_keys, logp)
     return n, nxt
 
 

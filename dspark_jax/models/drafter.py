@@ -36,6 +36,7 @@ from flax import nnx
 from jax import lax
 
 from dspark_jax.models.llama import first_argmax, masked_softmax, rope
+from dspark_jax.sampling import categorical
 
 HEADS = ("markov", "gated", "rnn", "none")
 
@@ -399,7 +400,7 @@ def sample_block(drafter: Drafter, h: jax.Array, anchors: jax.Array, keys: jax.A
 
         def draw():  # only where some row samples: the draw costs more than the rest of the step
             logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-            drawn = jax.vmap(jax.random.categorical)(key_k, logp)
+            drawn = categorical(key_k, logp)
             return jnp.where(greedy[:, 0], top, drawn).astype(jnp.int32)
 
         idx = lax.cond(jnp.all(greedy), lambda: top.astype(jnp.int32), draw)

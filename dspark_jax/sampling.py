@@ -1,0 +1,63 @@
+"""Exact categorical draws over large vocabularies, cheap on every backend.
+
+``jax.random.categorical`` adds one Gumbel variate to every logit: 49 152 logarithms of logarithms per row for
+SmolLM2's vocabulary, ~57 ms for 64 rows on a 2-core CPU, more than the rest of a sampling step. The draw here
+is the same Gumbel-max trick applied twice: first over blocks of ``block`` logits (each block weighted by its
+log-sum-exp), then within the block drawn. Block ``b`` is chosen with probability ``Z_b / Z`` and token ``j``
+in it with ``exp(x_j) / Z_b``, so every token has exactly ``softmax(x)_j``: the law is the one
+``jax.random.categorical`` samples, with ``V / block + block`` Gumbel variates a row instead of ``V`` (a few
+hundred), and the log-domain arithmetic keeps tokens with tiny probability as exact as the one-level draw.
+The random stream differs from ``jax.random.categorical``'s, so the same key draws other tokens.
+
+Axis legend: R rows, N categories (vocabulary or draft vocabulary), B block.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.models.llama import first_argmax
+
+BLOCK = 128
+
+
+@functools.partial(jax.jit, static_argnames=("block",))
+def categorical(keys: jax.Array, logits: jax.Array, *, block: int = BLOCK) -> jax.Array:
+    """One draw per row from ``softmax(logits)``, with a key per row.
+
+    Args:
+      keys: [R] PRNG keys (new-style key array, or raw uint32 [R, 2]).
+      logits: float [R, N]; ``-inf`` marks categories of probability 0 (a row needs one finite entry).
+      block: categories per block of the first draw (static; N is padded with ``-inf`` to a multiple).
+
+    Returns:
+      int32 [R] indices into N.
+
+    >>> keys = jax.random.split(jax.random.key(0), 3)
+    >>> categorical(keys, jnp.array([[0., -jnp.inf, -jnp.inf], [-jnp.inf, 3., -jnp.inf],
+    ...                              [-jnp.inf, -jnp.inf, 1.]])).tolist()
+    [0, 1, 2]
+    """
+    rows, n = logits.shape
+    logits = logits.astype(jnp.float32)
+    nb = -(-n // block)
+    if nb * block != n:
+        logits = jnp.pad(logits, ((0, 0), (0, nb * block - n)), constant_values=-jnp.inf)
+    blocks = logits.reshape(rows, nb, block)  # [R, NB, B]
+    top = jnp.max(blocks, axis=-1)  # [R, NB]
+    safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
+    mass = jnp.sum(jnp.exp(blocks - safe_top[..., None]), axis=-1)  # [R, NB]; 0 for all -inf blocks
+    block_logit = jnp.where(mass > 0, safe_top + jnp.log(jnp.where(mass > 0, mass, 1.0)), -jnp.inf)
+
+    def gumbels(key):
+        k_block, k_inner = jax.random.split(key)
+        return jax.random.gumbel(k_block, (nb,)), jax.random.gumbel(k_inner, (block,))
+
+    g_block, g_inner = jax.vmap(gumbels)(keys)  # [R, NB], [R, B]
+    b = first_argmax(block_logit + g_block)  # [R]
+    inner = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]  # [R, B]
+    j = first_argmax(inner + g_inner)
+    return (b * block + j).astype(jnp.int32)
