@@ -126,9 +126,10 @@ def _floor_thunk(weights: LlamaWeights, cfg: LlamaConfig, tokens: int) -> Callab
     return lambda: weights_only_forward(weights, ids, cfg)
 
 
-def _decode_thunk(weights, cfg, *, slots: int, context: int, window: int, capacity: int):
+def _decode_thunk(weights, cfg, *, slots: int, context: int, window: int, capacity: int, cache_dtype=None):
     """Plain decode of one token in each of ``slots`` slots that hold ``context`` tokens (it stays there)."""
-    state = {"cache": init_cache(cfg, slots, capacity, weights.embed.dtype).replace(
+    dtype = weights.embed.dtype if cache_dtype is None else cache_dtype
+    state = {"cache": init_cache(cfg, slots, capacity, dtype).replace(
         lengths=jnp.full((slots,), context, jnp.int32))}
     tokens, active = jnp.zeros((slots,), jnp.int32), jnp.ones((slots,), bool)
 
@@ -141,7 +142,7 @@ def _decode_thunk(weights, cfg, *, slots: int, context: int, window: int, capaci
 
 
 def _verify_thunk(weights, cfg, *, rows: int, per_row: int, max_per_slot: int, context: int, window: int,
-                  capacity: int):
+                  capacity: int, cache_dtype=None):
     """Packed verification as the engine runs it: ``per_row`` tokens of each of ``rows`` requests (slots
     0..R-1) at positions L, L + 1, ..., padded to a bucket; the grid of ``max_per_slot`` cells per row."""
     n = rows * per_row
@@ -152,7 +153,8 @@ def _verify_thunk(weights, cfg, *, rows: int, per_row: int, max_per_slot: int, c
     positions = jnp.asarray(context + idx % per_row, jnp.int32)
     valid = jnp.asarray(idx < n)
     row_slots = jnp.arange(rows, dtype=jnp.int32)
-    state = {"cache": init_cache(cfg, rows, capacity, weights.embed.dtype).replace(
+    dtype = weights.embed.dtype if cache_dtype is None else cache_dtype
+    state = {"cache": init_cache(cfg, rows, capacity, dtype).replace(
         lengths=jnp.full((rows,), context, jnp.int32))}
 
     def step():
@@ -165,7 +167,8 @@ def _verify_thunk(weights, cfg, *, rows: int, per_row: int, max_per_slot: int, c
 
 def target_step_rows(weights: LlamaWeights, cfg: LlamaConfig, *, slots: Sequence[int] = (1, 4, 16, 64),
                      contexts: Sequence[int] = (256, 1024), per_slot: Sequence[int] = (1, 8), repeats: int = 5,
-                     burst: int = 2, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                     burst: int = 2, progress: Callable[[str], None] | None = None,
+                     cache_dtype: Any = None) -> list[dict[str, Any]]:
     """The target's decode and verification steps beside the weights-only floor at the same token count.
 
     For every context L and slot count S: the decode step (``per_slot`` 1: one token per slot,
@@ -179,6 +182,7 @@ def target_step_rows(weights: LlamaWeights, cfg: LlamaConfig, *, slots: Sequence
         slots: slot counts S; contexts: tokens held per slot L; per_slot: tokens per slot M (1: decode).
         repeats: timed calls of each thunk; burst: calls per turn, the last timed (:func:`interleaved`).
         progress: called with a label before each group (e.g. ``print``).
+        cache_dtype: the KV cache's dtype (default: the weights'); the floor holds no cache.
     Returns:
         rows ``{"kind": "decode" | "verify", "slots", "context", "per_slot", "tokens", "window", "step_ms",
         "floor_ms", "ratio"}``; ratio = step / floor.
@@ -194,10 +198,11 @@ def target_step_rows(weights: LlamaWeights, cfg: LlamaConfig, *, slots: Sequence
                 window = context_bucket(L + M, capacity)
                 if M == 1:
                     thunks["step:1"] = _decode_thunk(weights, cfg, slots=S, context=L, window=window,
-                                                     capacity=capacity)
+                                                     capacity=capacity, cache_dtype=cache_dtype)
                 else:
                     thunks[f"step:{M}"] = _verify_thunk(weights, cfg, rows=S, per_row=M, max_per_slot=M, context=L,
-                                                        window=window, capacity=capacity)
+                                                        window=window, capacity=capacity,
+                                                        cache_dtype=cache_dtype)
                 meta[M] = (S * M, window)
                 thunks.setdefault(f"floor:{S * M}", _floor_thunk(weights, cfg, S * M))
             times = interleaved(thunks, repeats=repeats, burst=burst)

@@ -88,13 +88,16 @@ def main(argv=None):
     add_model_arguments(p, draft=False)
     p.add_argument("--context", type=int, default=256, help="committed tokens per slot")
     p.add_argument("--floor-only", action="store_true", help="only the table beside the weights-only floor")
+    p.add_argument("--cache-dtype", choices=("float32", "bfloat16", "float16"),
+                   help="the floor table's KV cache dtype (default: the weights')")
     args = p.parse_args(argv)
 
     model = load_target(args.model, dtype=args.dtype)
     repeats = 3 if args.quick else 7
     modes = ("grid",) if args.quick else ("per_token", "grid")
     floor = target_step_rows(model.weights, model.cfg, slots=(1, 4) if args.quick else (1, 4, 16, 64),
-                             contexts=(256, 1024), per_slot=(1, 8), repeats=repeats, progress=print)
+                             contexts=(256, 1024), per_slot=(1, 8), repeats=repeats, progress=print,
+                             cache_dtype=None if args.cache_dtype is None else jnp.dtype(args.cache_dtype))
     print(format_table(floor, ["kind", "slots", "context", "per_slot", "tokens", "window", "step_ms", "floor_ms",
                                "ratio"]))
     decode = verify = []
@@ -107,7 +110,8 @@ def main(argv=None):
         print(format_table(verify, ["T", "mode", "slots", "context", "capacity", "step_ms", "tokens_per_s"]))
     if args.json:
         write_json(args.json, {"device": device_info(), "date": datetime.date.today().isoformat(),
-                               "dtype": str(model.dtype), "quick": args.quick, "floor": floor, "decode": decode,
+                               "dtype": str(model.dtype), "cache_dtype": args.cache_dtype or str(model.dtype),
+                               "quick": args.quick, "floor": floor, "decode": decode,
                                "verify": verify})
 
 
