@@ -319,6 +319,10 @@ class HostSpeed:
         self.probes: list[float] = []
         self._reference = reference
 
+    def warm(self) -> None:
+        """Compile the reference program again (after ``jax.clear_caches``), outside any probe."""
+        jax.block_until_ready(self._step())
+
     def probe(self) -> int:
         """Time the reference program now (the median of ``calls`` calls); returns the probe's index."""
         self.probes.append(time_call(self._step, repeats=self.calls, warmup=0).median)
@@ -373,14 +377,26 @@ def rescaled(tm: Timing, factor: float) -> Timing:
 
 
 def timed_jobs(jobs: Sequence[Any], run, speed: HostSpeed | None, *, progress: bool = False, desc: str = "profiling",
-               label=str) -> list[Timing]:
+               label=str, group=None) -> list[Timing]:
     """``run(job)`` (a :class:`Timing`) for every job, each rescaled to the reference speed of ``speed``
-    (probed before the first job, between jobs and after the last; None: as measured)."""
+    (probed before the first job, between jobs and after the last; None: as measured).
+
+    ``group(job)``: where it changes between two jobs, the compiled programs are dropped
+    (``jax.clear_caches``) and the reference program compiled again before its next probe. Every cell
+    compiles programs of its own shape, and a profile's cells together outgrow the host's memory."""
     out = []
     bar = tqdm(jobs, disable=not progress, desc=desc, unit="cell")
     spans = []
-    for job in bar:
+    last_group = None
+    for i, job in enumerate(bar):
         bar.set_postfix_str(label(job))
+        if group is not None:
+            g = group(job)
+            if i > 0 and g != last_group:
+                jax.clear_caches()
+                if speed is not None:
+                    speed.warm()
+            last_group = g
         before = speed.probe() if speed is not None else 0
         out.append(run(job))
         spans.append(before)
@@ -500,7 +516,8 @@ def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter
 
     plain_s = [[0.0] * R for _ in range(C)]
     plain_spread = [[0.0] * R for _ in range(C)]
-    for (c, kind, r, t), tm in zip(jobs, timed_jobs(jobs, run, speed, progress=progress, label=label)):
+    timings = timed_jobs(jobs, run, speed, progress=progress, label=label, group=lambda job: job[:2])
+    for (c, kind, r, t), tm in zip(jobs, timings):
         if kind == "draft":
             draft_s[c][r_index[r]], draft_spread[c][r_index[r]] = tm.median, tm.spread
         elif kind == "plain":
