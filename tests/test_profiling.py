@@ -847,3 +847,35 @@ def test_table_host_speed_takes_the_recorded_reference(tiny_profile):
     speed.probe()
     assert speed.reference == speed.probes[0] > 0
 
+
+
+def test_timed_jobs_drop_programs_between_groups(monkeypatch):
+    """Compiled programs are dropped where the group changes (not within a group), and the host-speed reference
+    program is compiled again before its next probe, so no probe times a compilation."""
+    events = []
+    monkeypatch.setattr(jax, "clear_caches", lambda: events.append("clear"))
+
+    class Speed:
+        def warm(self):
+            events.append("warm")
+
+        def probe(self):
+            events.append("probe")
+            return 0
+
+        def factor(self, span):
+            return 1.0
+
+    def run(job):
+        events.append(job)
+        from dspark_jax.timing import Timing
+
+        return Timing(median=1.0, p25=1.0, p75=1.0, repeats=1)
+
+    jobs = [("a", 1), ("a", 2), ("b", 1), ("b", 2), ("a", 3)]
+    measure.timed_jobs(jobs, run, Speed(), group=lambda job: job[0])
+    assert events == ["probe", ("a", 1), "probe", ("a", 2), "clear", "warm", "probe", ("b", 1), "probe", ("b", 2),
+                      "clear", "warm", "probe", ("a", 3), "probe"]
+    events.clear()
+    measure.timed_jobs(jobs, run, None)
+    assert "clear" not in events
