@@ -56,7 +56,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import calibration, gate, scheduler, verify
-from dspark_jax.sampling import categorical
+from dspark_jax.sampling import categorical, safe_log
 from dspark_jax.sps import SPSTable, context_window, default_sps_table, plain_sps_from_cost, sps_from_cost
 from dspark_jax.timing import compile_count
 from dspark_jax.models import drafter as dr
@@ -965,8 +965,7 @@ def _sample_first(logits, request, position, temperature, top_p, seed, *, greedy
     key = _key(seed, 0, request[None], position[None])[0]
     scaled = logits.astype(jnp.float32) / temperature  # [V]
     law = _target_law(scaled[None, None], top_p[None])[0, 0]
-    nucleus = jnp.where(law > 0, jnp.log(jnp.where(law > 0, law, 1.0)), -jnp.inf)
-    return categorical(key[None], jnp.where(top_p < 1, nucleus, scaled)[None])[0]
+    return categorical(key[None], jnp.where(top_p < 1, safe_log(law), scaled)[None])[0]
 
 
 def _target_law(scaled_logits, top_p):

@@ -24,6 +24,16 @@ from dspark_jax.models.llama import first_argmax
 BLOCK = 128
 
 
+def safe_log(x: jax.Array) -> jax.Array:
+    """``log(x)`` where ``x > 0`` and ``-inf`` elsewhere (``log`` never sees a 0, so no NaN gradient):
+    probabilities [..., N] -> logits for :func:`categorical`.
+
+    >>> safe_log(jnp.array([1.0, 0.0])).tolist()
+    [0.0, -inf]
+    """
+    return jnp.where(x > 0, jnp.log(jnp.where(x > 0, x, 1.0)), -jnp.inf)
+
+
 @functools.partial(jax.jit, static_argnames=("block",))
 def categorical(keys: jax.Array, logits: jax.Array, *, block: int = BLOCK) -> jax.Array:
     """One draw per row from ``softmax(logits)``, with a key per row.
@@ -50,7 +60,7 @@ def categorical(keys: jax.Array, logits: jax.Array, *, block: int = BLOCK) -> ja
     top = jnp.max(blocks, axis=-1)  # [R, NB]
     safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
     mass = jnp.sum(jnp.exp(blocks - safe_top[..., None]), axis=-1)  # [R, NB]; 0 for all -inf blocks
-    block_logit = jnp.where(mass > 0, safe_top + jnp.log(jnp.where(mass > 0, mass, 1.0)), -jnp.inf)
+    block_logit = safe_top + safe_log(mass)  # -inf for all -inf blocks
 
     def gumbels(key):
         k_block, k_inner = jax.random.split(key)

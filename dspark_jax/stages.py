@@ -126,11 +126,16 @@ def _floor_thunk(weights: LlamaWeights, cfg: LlamaConfig, tokens: int) -> Callab
     return lambda: weights_only_forward(weights, ids, cfg)
 
 
+def _held_cache(weights, cfg, *, slots: int, capacity: int, context: int, cache_dtype=None):
+    """A cache of ``slots`` slots that each hold ``context`` tokens, in ``cache_dtype`` (default: the weights')."""
+    dtype = weights.embed.dtype if cache_dtype is None else cache_dtype
+    return init_cache(cfg, slots, capacity, dtype).replace(lengths=jnp.full((slots,), context, jnp.int32))
+
+
 def _decode_thunk(weights, cfg, *, slots: int, context: int, window: int, capacity: int, cache_dtype=None):
     """Plain decode of one token in each of ``slots`` slots that hold ``context`` tokens (it stays there)."""
-    dtype = weights.embed.dtype if cache_dtype is None else cache_dtype
-    state = {"cache": init_cache(cfg, slots, capacity, dtype).replace(
-        lengths=jnp.full((slots,), context, jnp.int32))}
+    state = {"cache": _held_cache(weights, cfg, slots=slots, capacity=capacity, context=context,
+                                  cache_dtype=cache_dtype)}
     tokens, active = jnp.zeros((slots,), jnp.int32), jnp.ones((slots,), bool)
 
     def step():
@@ -153,9 +158,8 @@ def _verify_thunk(weights, cfg, *, rows: int, per_row: int, max_per_slot: int, c
     positions = jnp.asarray(context + idx % per_row, jnp.int32)
     valid = jnp.asarray(idx < n)
     row_slots = jnp.arange(rows, dtype=jnp.int32)
-    dtype = weights.embed.dtype if cache_dtype is None else cache_dtype
-    state = {"cache": init_cache(cfg, rows, capacity, dtype).replace(
-        lengths=jnp.full((rows,), context, jnp.int32))}
+    state = {"cache": _held_cache(weights, cfg, slots=rows, capacity=capacity, context=context,
+                                  cache_dtype=cache_dtype)}
 
     def step():
         logits, _, state["cache"] = forward_packed(weights, state["cache"], tokens, slots, positions, valid, cfg,

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.models.llama import first_argmax
-from dspark_jax.sampling import categorical
+from dspark_jax.sampling import categorical, safe_log
 
 __all__ = ["acceptance_probs", "next_token_probs", "speculative_accept", "greedy_accept", "greedy_accept_tokens",
            "leading_true", "top_p_filter"]
@@ -177,8 +177,7 @@ def speculative_accept(
     accepted = u < acceptance_probs(draft_tokens, draft_probs, target_probs, draft_vocab)
     n = leading_true(accepted, lengths)
     probs = next_token_probs(draft_probs, target_probs, n, lengths, draft_vocab)  # [R, V]
-    logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-    nxt = categorical(sample_keys, logp)
+    nxt = categorical(sample_keys, safe_log(probs))
     return n, nxt
 
 

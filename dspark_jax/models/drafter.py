@@ -36,7 +36,7 @@ from flax import nnx
 from jax import lax
 
 from dspark_jax.models.llama import first_argmax, masked_softmax, rope
-from dspark_jax.sampling import categorical
+from dspark_jax.sampling import categorical, safe_log
 
 HEADS = ("markov", "gated", "rnn", "none")
 
@@ -399,8 +399,7 @@ def sample_block(drafter: Drafter, h: jax.Array, anchors: jax.Array, keys: jax.A
         probs = jnp.where(greedy, jax.nn.one_hot(top, logits.shape[-1], dtype=jnp.float32), probs)
 
         def draw():  # only where some row samples: the draw costs more than the rest of the step
-            logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-            drawn = categorical(key_k, logp)
+            drawn = categorical(key_k, safe_log(probs))
             return jnp.where(greedy[:, 0], top, drawn).astype(jnp.int32)
 
         idx = lax.cond(jnp.all(greedy), lambda: top.astype(jnp.int32), draw)
