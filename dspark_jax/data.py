@@ -41,12 +41,11 @@ class Prompt:
     turns: tuple[str, ...]
 
 
-def load_prompts(paths: Sequence[str | os.PathLike], limit: int | None = None) -> list[Prompt]:
-    """Prompts from JSONL files (``{"turns": [...]}`` per line) or folders of them, in a stable order.
+def prompt_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
+    """The JSONL files ``paths`` name: files as given, folders as their ``*.jsonl`` files sorted by name.
 
-    Args:
-      paths: files or folders; folders contribute their ``*.jsonl`` files sorted by name.
-      limit: keep at most this many prompts per file.
+    Raises:
+      ValueError: a path that is neither a file nor a folder, or no JSONL file at all.
     """
     files: list[Path] = []
     for p in paths:
@@ -59,6 +58,17 @@ def load_prompts(paths: Sequence[str | os.PathLike], limit: int | None = None) -
             raise ValueError(f"prompts: {p} is neither a JSONL file nor a folder")
     if not files:
         raise ValueError(f"prompts: no JSONL files found in {list(map(str, paths))}")
+    return files
+
+
+def load_prompts(paths: Sequence[str | os.PathLike], limit: int | None = None) -> list[Prompt]:
+    """Prompts from JSONL files (``{"turns": [...]}`` per line) or folders of them, in a stable order.
+
+    Args:
+      paths: files or folders; folders contribute their ``*.jsonl`` files sorted by name (`prompt_files`).
+      limit: keep at most this many prompts per file.
+    """
+    files = prompt_files(paths)
     out: list[Prompt] = []
     for f in files:
         with open(f) as fh:

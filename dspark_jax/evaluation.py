@@ -9,6 +9,7 @@ import numpy as np
 
 from dspark_jax import calibration
 from dspark_jax.build import LoadedDrafter, build_engine
+from dspark_jax.data import load_prompts, prompt_files
 from dspark_jax.engine import Engine, RoundStats
 
 
@@ -77,3 +78,13 @@ def split_half(items: Sequence, half: str) -> list:
     if half not in ("calib", "eval"):
         raise ValueError(f"half: expected 'calib', 'eval' or 'all', got {half!r}")
     return list(items[0 if half == "calib" else 1 :: 2])
+
+
+def half_per_file(paths, half: str, limit: int | None = None) -> list[list]:
+    """The prompts of each JSONL file ``paths`` name (a folder: its ``*.jsonl`` files), split by `split_half`,
+    the first ``limit`` of each half: one list per file, so that every domain contributes alike.
+
+    Raises:
+      ValueError: bad paths (`data.prompt_files`), prompt lines or ``half``.
+    """
+    return [split_half(load_prompts([f]), half)[:limit] for f in prompt_files(paths)]

@@ -58,3 +58,19 @@ def test_summary_pools_ece_exactly_from_bins():
     got = pool(reports)
     assert got["ece_raw"] == pytest.approx(float(calibration.ece(*union)), abs=1e-6)
     assert got["ece_sts"] is None and got["rounds"] == 2000
+
+
+def test_half_per_file_limits_each_file_of_a_folder(tmp_path):
+    """A folder of prompt files gives each file its own half and limit (a limit over the folder's joined list
+    would evaluate only its first file)."""
+    for name, n in (("a", 6), ("b", 5)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(f'{{"turns": ["{name}{i}"]}}\n' for i in range(n)))
+    (tmp_path / "notes.txt").write_text("not a prompt file")
+    chosen = evaluation.half_per_file([tmp_path], "eval", limit=2)
+    assert [[p.turns[0] for p in c] for c in chosen] == [["a1", "a3"], ["b1", "b3"]]
+    chosen = evaluation.half_per_file([tmp_path / "b.jsonl", tmp_path], "calib")
+    assert [[p.turns[0] for p in c] for c in chosen] == [["b0", "b2", "b4"], ["a0", "a2", "a4"], ["b0", "b2", "b4"]]
+    with pytest.raises(ValueError, match="neither a JSONL file nor a folder"):
+        evaluation.half_per_file([tmp_path / "missing"], "eval")
+    with pytest.raises(ValueError, match="half: expected"):
+        evaluation.half_per_file([tmp_path], "odd")

@@ -18,9 +18,8 @@ from pathlib import Path
 from dspark_jax import calibration
 from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.sharding import mesh_from_args
-from dspark_jax.data import load_prompts
 from dspark_jax.drafters import SHIPPED, copy_drafter, installed_package_path, resolve_drafter, shipped_dir
-from dspark_jax.evaluation import evaluate_rounds, fixed_block_rounds, pooled, split_half
+from dspark_jax.evaluation import evaluate_rounds, fixed_block_rounds, half_per_file, pooled
 from dspark_jax.plots import plot_reliability
 from dspark_jax.timing import write_json
 
@@ -59,10 +58,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     out = output_folder(args.draft, args.out)
-    files = []
-    for f in sorted(Path(x) for x in args.prompts):
-        files += sorted(f.glob("*.jsonl")) if f.is_dir() else [f]
-    chosen_per_file = [split_half(load_prompts([g]), "calib")[: args.limit] for g in files]  # checks the files
+    chosen_per_file = half_per_file(sorted(args.prompts), "calib", args.limit)  # checks the files first
     mesh = mesh_from_args(args)
     model = load_target(args.model, dtype=args.dtype, mesh=mesh)
     drafter, _, _, path = resolve_drafter(args.draft, target_cfg=model.cfg)

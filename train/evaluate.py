@@ -14,9 +14,8 @@ import argparse
 
 from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.sharding import mesh_from_args
-from dspark_jax.data import load_prompts
 from dspark_jax.drafters import resolve_drafter
-from dspark_jax.evaluation import evaluate_rounds, fixed_block_rounds, split_half
+from dspark_jax.evaluation import evaluate_rounds, fixed_block_rounds, half_per_file
 from dspark_jax.timing import write_json
 
 
@@ -34,7 +33,7 @@ def main(argv=None):
     p.add_argument("--no-sts", action="store_true", help="ignore the drafter's STS temperatures")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args(argv)
-    chosen_per_file = [split_half(load_prompts([f]), args.half)[: args.limit] for f in args.prompts]
+    chosen_per_file = half_per_file(args.prompts, args.half, args.limit)
     mesh = mesh_from_args(args)
     model = load_target(args.model, dtype=args.dtype, mesh=mesh)
     drafter, meta, temps, path = resolve_drafter(args.draft, target_cfg=model.cfg)
