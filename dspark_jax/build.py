@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.calibration import STSSets
 from dspark_jax.drafters import prior_confidence, resolve_drafter, tapped_for
 from dspark_jax.engine import Engine, EngineConfig, parse_policy
 from dspark_jax.models.drafter import Drafter
@@ -99,7 +100,7 @@ class LoadedDrafter:
     """A drafter with what the engine needs beside it."""
 
     drafter: Drafter
-    sts_temperatures: np.ndarray | None  # [G] or None
+    sts_temperatures: STSSets | np.ndarray | None  # sets by sampling temperature, one set [G], or None
     prior_confidence: float  # the first draft's acceptance on its calibration rounds (the gate's start)
     path: Path | None  # the folder it was loaded from (None: built in memory)
 

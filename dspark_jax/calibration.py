@@ -15,10 +15,12 @@ when ``k <= verified`` and its event is ``accepted >= k``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +29,8 @@ import numpy as np
 from dspark_jax.io import atomic_write_text
 
 __all__ = ["STS_GRID", "ece", "brier", "auroc", "reliability_bins", "apply_sts", "survival_from_logits",
-           "fit_sts", "events", "calibration_report", "save_temperatures", "load_temperatures"]
+           "fit_sts", "events", "calibration_report", "STSSets", "sts_for_rows", "save_temperatures",
+           "save_sts", "load_temperatures", "load_sts"]
 
 STS_GRID = tuple(float(2.0 ** (i / 10)) for i in range(-30, 31))
 N_BINS = 20
@@ -197,18 +200,148 @@ def calibration_report(conf_logits, accepted, verified, temperatures=None) -> di
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class STSSets:
+    """STS temperatures fitted at one or more sampling temperatures.
+
+    A draft survives by a different rule at each sampling temperature (the target's argmax at 0, rejection
+    sampling against the target's distribution above), so the confidence head's logits map to survival
+    differently: each request uses the set fitted at the sampling temperature nearest its own (`sts_for_rows`;
+    at a tie the lower one).
+
+    Fields: ``at`` float32 [K] sampling temperatures, ascending and distinct; ``temperatures`` float32 [K, G].
+
+    >>> sets = STSSets.of({1.0: [0.5, 0.5], 0.0: [1.0, 2.0]})
+    >>> sets.at.tolist(), sets.for_temperature(0.0).tolist(), sets.for_temperature(0.8).tolist()
+    ([0.0, 1.0], [1.0, 2.0], [0.5, 0.5])
+    """
+
+    at: np.ndarray
+    temperatures: np.ndarray
+
+    def __post_init__(self):
+        at = np.asarray(self.at, np.float32)
+        temps = np.asarray(self.temperatures, np.float32)
+        if at.ndim != 1 or temps.ndim != 2 or temps.shape[0] != at.shape[0] or at.shape[0] == 0 or temps.shape[1] == 0:
+            raise ValueError(f"STS sets: expected at [K] and temperatures [K, G] with K, G >= 1, got shapes "
+                             f"{at.shape} and {temps.shape}")
+        if not np.all(np.isfinite(at)) or np.any(at < 0) or np.any(np.diff(at) <= 0):
+            raise ValueError(f"STS sets: sampling temperatures must be finite, >= 0, ascending and distinct, got "
+                             f"{at.tolist()}")
+        if not np.all(np.isfinite(temps)) or np.any(temps <= 0):
+            raise ValueError("STS sets: expected positive, finite STS temperatures")
+        object.__setattr__(self, "at", at)
+        object.__setattr__(self, "temperatures", temps)
+
+    @classmethod
+    def of(cls, sets: "STSSets | Mapping[float, Sequence[float]] | Sequence[float] | np.ndarray",
+           at: float = 1.0) -> "STSSets":
+        """From ``{sampling temperature: [G]}``, or one set [G] (fitted at ``at``, used at every temperature)."""
+        if isinstance(sets, STSSets):
+            return sets
+        if isinstance(sets, Mapping):
+            items = sorted(((float(k), v) for k, v in sets.items()), key=lambda kv: kv[0])
+            if not items or len({len(np.ravel(v)) for _, v in items}) != 1:
+                raise ValueError("STS sets: expected {sampling temperature: [G]} with at least one set, all of "
+                                 "the same length G")
+            return cls(np.asarray([k for k, _ in items]), np.stack([np.asarray(v, np.float32) for _, v in items]))
+        temps = np.asarray(sets, np.float32)
+        if temps.ndim != 1:
+            raise ValueError(f"STS temperatures: expected [G] (one per block position), got shape {temps.shape}")
+        return cls(np.asarray([at]), temps[None])
+
+    @property
+    def block(self) -> int:
+        return int(self.temperatures.shape[1])
+
+    def for_temperature(self, temperature: float) -> np.ndarray:
+        """The set [G] a request sampling at ``temperature`` uses."""
+        return np.asarray(sts_for_rows(self.at, self.temperatures, jnp.asarray([temperature], jnp.float32))[0])
+
+
+@jax.jit
+def sts_for_rows(at: jax.Array, temperatures: jax.Array, sampling_temperature: jax.Array) -> jax.Array:
+    """Each row's STS set: the one fitted at the sampling temperature nearest the row's (ties: the lower).
+
+    Args:
+      at: float [K] ascending sampling temperatures of the sets; temperatures: float [K, G];
+      sampling_temperature: float [R] (0 for greedy rows).
+    Returns:
+      float32 [R, G], for `apply_sts`.
+
+    >>> sts_for_rows(jnp.array([0.0, 1.0]), jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([0.0, 0.7])).tolist()
+    [[1.0, 2.0], [3.0, 4.0]]
+    """
+    gap = jnp.abs(sampling_temperature.astype(jnp.float32)[:, None] - at.astype(jnp.float32)[None, :])
+    return temperatures.astype(jnp.float32)[jnp.argmin(gap, axis=-1)]
+
+
 def save_temperatures(path: str | os.PathLike, temperatures, info: dict | None = None) -> None:
     """Write ``{"temperatures": [...], ...}`` as JSON, atomically (beside the drafter checkpoint)."""
     atomic_write_text(path, json.dumps({"temperatures": [float(t) for t in temperatures], **(info or {})},
                                        indent=1) + "\n")
 
 
-def load_temperatures(path: str | os.PathLike) -> np.ndarray:
+def save_sts(path: str | os.PathLike, sets: STSSets, info: Sequence[dict] | None = None) -> None:
+    """Write STS sets as JSON, atomically: ``sets`` lists ``{"temperature": t, "temperatures": [G], ...}`` (with
+    the matching ``info`` entry merged in); the top-level ``temperatures`` and ``temperature`` repeat the set
+    fitted at the highest sampling temperature, for readers of a single set (`load_temperatures`)."""
+    info = list(info or [{} for _ in sets.at])
+    if len(info) != len(sets.at):
+        raise ValueError(f"save_sts: {len(info)} info entries for {len(sets.at)} sets")
+    entries = [{"temperature": float(t), "temperatures": [float(x) for x in temps], **extra}
+               for t, temps, extra in zip(sets.at, sets.temperatures, info)]
+    obj = {"temperatures": entries[-1]["temperatures"], "temperature": entries[-1]["temperature"], "sets": entries}
+    atomic_write_text(path, json.dumps(obj, indent=1) + "\n")
+
+
+def _read_sts_json(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"STS temperatures {path}: file not found")
-    obj = json.loads(path.read_text())
-    temps = np.asarray(obj.get("temperatures", []), np.float32)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"STS temperatures {path}: not valid JSON ({err})") from err
+
+
+def _positive_list(values, where: str) -> np.ndarray:
+    try:
+        temps = np.asarray(values, np.float32)
+    except (TypeError, ValueError):
+        temps = np.zeros((0,), np.float32)
     if temps.ndim != 1 or len(temps) == 0 or not np.all(np.isfinite(temps)) or np.any(temps <= 0):
-        raise ValueError(f"STS temperatures {path}: expected a non-empty list of positive numbers")
+        raise ValueError(f"{where}: expected a non-empty list of positive numbers")
     return temps
+
+
+def load_temperatures(path: str | os.PathLike) -> np.ndarray:
+    """One STS set [G]: the file's top-level ``temperatures`` (with several sets, the one fitted at the highest
+    sampling temperature; `load_sts` reads them all)."""
+    return _positive_list(_read_sts_json(path).get("temperatures", []), f"STS temperatures {path}")
+
+
+def load_sts(path: str | os.PathLike) -> STSSets:
+    """Every STS set of an ``sts.json`` (`save_sts`); a file of one set (``temperatures``, fitted at its
+    ``temperature``, 1 when absent) gives one set, used at every sampling temperature."""
+    obj = _read_sts_json(path)
+    if "sets" not in obj:
+        t = obj.get("temperature", 1.0)
+        return STSSets.of(load_temperatures(path), at=1.0 if t is None else float(t))
+    sets = obj["sets"]
+    if not isinstance(sets, list) or not sets or not all(isinstance(e, dict) for e in sets):
+        raise ValueError(f"STS temperatures {path}: 'sets' must be a non-empty list of "
+                         f"{{\"temperature\": t, \"temperatures\": [...]}}")
+    rows = [_positive_list(e.get("temperatures", []), f"STS temperatures {path}: sets[{i}].temperatures")
+            for i, e in enumerate(sets)]
+    if len({len(r) for r in rows}) != 1:
+        raise ValueError(f"STS temperatures {path}: the sets have different lengths {[len(r) for r in rows]}")
+    try:
+        at = [float(e["temperature"]) for e in sets]
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"STS temperatures {path}: every set needs a numeric 'temperature'") from err
+    order = np.argsort(at, kind="stable")
+    try:
+        return STSSets(np.asarray(at)[order], np.stack(rows)[order])
+    except ValueError as err:
+        raise ValueError(f"STS temperatures {path}: {err}") from err

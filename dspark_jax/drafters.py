@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Sequence
 
 import jax.numpy as jnp
-import numpy as np
 
-from dspark_jax.calibration import load_temperatures
+from dspark_jax.calibration import STSSets, load_sts
 from dspark_jax.io import atomic_folder
 from dspark_jax.models.deepspec import (check_drafter_fits, deepspec_drafter_config, is_deepspec_folder,
                                         load_deepspec_drafter)
@@ -50,8 +49,9 @@ def _speculators_type(path: Path) -> str | None:
 
 
 def resolve_drafter(spec: str | None = None, *, target_cfg=None, dtype=None
-                    ) -> tuple[Drafter, dict, np.ndarray | None, Path]:
-    """Load a drafter by shipped name or path. Returns (drafter, metadata, STS temperatures or None, folder).
+                    ) -> tuple[Drafter, dict, STSSets | None, Path]:
+    """Load a drafter by shipped name or path. Returns (drafter, metadata, its STS sets (``sts.json``) or None,
+    folder).
 
     Args:
       spec: ``"dspark"`` (default), ``"dflash"``, a `models.drafter_files.save_drafter` folder or a DeepSpec checkpoint folder.
@@ -81,7 +81,7 @@ def resolve_drafter(spec: str | None = None, *, target_cfg=None, dtype=None
         if target_cfg is not None:
             check_drafter_fits(drafter.cfg, target_cfg, path / "config.json")
     sts = path / "sts.json"
-    temps = load_temperatures(sts) if sts.is_file() else None
+    temps = load_sts(sts) if sts.is_file() else None
     return drafter, meta, temps, path
 
 

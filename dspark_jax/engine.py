@@ -391,7 +391,9 @@ class Engine:
       drafter: the drafter module (None for the ``none`` policy only).
       policy: a `Policy` or its text (`parse_policy`).
       config: slots, capacity, temperature, seed.
-      sts_temperatures: [G] calibration temperatures for the confidence head (default: all ones).
+      sts_temperatures: the confidence head's STS temperatures: one set [G] for every request, or
+        `calibration.STSSets` fitted at several sampling temperatures (each request uses the set fitted
+        nearest its own); default: all ones.
       sps: for the ``dspark`` policies, an `SPSTable` (its cost model, when it has one, gives a fresh
         steps/s curve every round for the round's requests and context) or a dense steps/s array [N]
         (default: the shipped CPU table).
@@ -454,10 +456,13 @@ class Engine:
 
                 self.d_state = place_drafter_state(self.d_state, self.drafter.cfg, mesh)
             self.head_w = dr.draft_head_weights(self.drafter, target.weights.embed, target.weights.lm_head)
-            temps = np.ones(self.G, np.float32) if sts_temperatures is None else np.asarray(sts_temperatures, np.float32)
-            if temps.shape != (self.G,):
-                raise ValueError(f"sts_temperatures: expected {self.G} values (one per block position), got {temps.shape}")
-            self.temps = jnp.asarray(temps)
+            sets = calibration.STSSets.of(np.ones(self.G, np.float32) if sts_temperatures is None
+                                          else sts_temperatures)
+            if sets.block != self.G:
+                raise ValueError(f"sts_temperatures: expected {self.G} values (one per block position), got "
+                                 f"{sets.block}")
+            self.sts = sets
+            self.temps = (jnp.asarray(sets.at), jnp.asarray(sets.temperatures))  # [K], [K, G]
             self.draft_vocab = None if self.drafter.cfg.draft_vocab == target.cfg.vocab_size else self.drafter.vocab_ids[...]
         if config.window_rule not in ("step", "pow2"):
             raise ValueError(f"window_rule: expected 'step' or 'pow2', got {config.window_rule!r}")
@@ -1085,7 +1090,9 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
         return (jnp.zeros((R, G), jnp.int32), jnp.zeros((R, G, W), jnp.float32), jnp.zeros((R, G), jnp.float32))
 
     tokens, probs, conf_logits = jax.lax.cond(opens, run_drafter, skip)
-    conf = calibration.apply_sts(conf_logits, temps)  # [R, G]
+    at, sets = temps  # [K] sampling temperatures the STS sets were fitted at, [K, G]
+    row_t = jnp.zeros((R,), jnp.float32) if greedy else state.temperature[rows]
+    conf = calibration.apply_sts(conf_logits, calibration.sts_for_rows(at, sets, row_t))  # [R, G]
     hist = state.conf_hist[1][rows]
     lengths = jnp.where(row_valid & opens, policy_lengths(policy, policy_value, conf, hist, sps, row_valid, G), 0)
     if gate_cfg.fill and policy.kind in ("dspark", "dspark-async"):  # the padded batch's free room (lossless)

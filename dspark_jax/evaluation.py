@@ -88,3 +88,17 @@ def half_per_file(paths, half: str, limit: int | None = None) -> list[list]:
       ValueError: bad paths (`data.prompt_files`), prompt lines or ``half``.
     """
     return [split_half(load_prompts([f]), half)[:limit] for f in prompt_files(paths)]
+
+
+def encode_first_turns(tokenizer, chosen_per_file: Sequence[Sequence], max_prompt_tokens: int) -> list[list[int]]:
+    """Each chosen prompt's first turn with the chat template, in order, dropping those over
+    ``max_prompt_tokens`` tokens.
+
+    Raises:
+      ValueError: naming ``--max-prompt-tokens`` when no prompt fits.
+    """
+    prompts = [ids for chosen in chosen_per_file for ids in (tokenizer.encode_chat([pr.turns[0]]) for pr in chosen)
+               if len(ids) <= max_prompt_tokens]
+    if not prompts:
+        raise ValueError(f"--prompts: no chosen prompt fits in --max-prompt-tokens {max_prompt_tokens}")
+    return prompts

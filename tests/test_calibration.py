@@ -1,5 +1,8 @@
 """STS on synthetic miscalibrated data recovers the truth; metrics against NumPy."""
 
+import json
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -73,3 +76,38 @@ def test_temperature_file_round_trip(tmp_path):
     (tmp_path / "bad.json").write_text('{"temperatures": [0, 1]}')
     with pytest.raises(ValueError, match="positive"):
         cal.load_temperatures(tmp_path / "bad.json")
+
+
+def test_sts_sets_pick_the_nearest_fitted_temperature():
+    sets = cal.STSSets.of({1.0: [2.0, 3.0], 0.0: [0.5, 0.75], 0.5: [1.0, 1.0]})
+    assert sets.at.tolist() == [0.0, 0.5, 1.0]
+    rows = cal.sts_for_rows(sets.at, sets.temperatures, jnp.array([0.0, 0.2, 0.25, 0.3, 0.9, 2.0]))
+    assert np.asarray(rows).tolist() == [[0.5, 0.75], [0.5, 0.75], [0.5, 0.75], [1.0, 1.0], [2.0, 3.0], [2.0, 3.0]]
+    one = cal.STSSets.of([1.5, 2.5])  # one set serves every temperature
+    assert one.for_temperature(0.0).tolist() == one.for_temperature(3.0).tolist() == [1.5, 2.5]
+    with pytest.raises(ValueError, match="same length"):
+        cal.STSSets.of({0.0: [1.0], 1.0: [1.0, 2.0]})
+    with pytest.raises(ValueError, match="ascending and distinct"):
+        cal.STSSets(np.array([1.0, 0.0]), np.ones((2, 2)))
+    with pytest.raises(ValueError, match="positive"):
+        cal.STSSets.of({0.0: [1.0, -1.0]})
+
+
+def test_sts_sets_file_round_trip_and_single_set_files(tmp_path):
+    sets = cal.STSSets.of({0.0: [0.5, 1.0], 1.0: [2.0, 4.0]})
+    cal.save_sts(tmp_path / "sts.json", sets, [{"rounds": 3}, {"rounds": 5}])
+    back = cal.load_sts(tmp_path / "sts.json")
+    assert back.at.tolist() == [0.0, 1.0] and back.temperatures.tolist() == [[0.5, 1.0], [2.0, 4.0]]
+    np.testing.assert_allclose(cal.load_temperatures(tmp_path / "sts.json"), [2.0, 4.0])  # the highest set
+    obj = json.loads((tmp_path / "sts.json").read_text())
+    assert [s["rounds"] for s in obj["sets"]] == [3, 5]
+    cal.save_temperatures(tmp_path / "old.json", [0.5, 1.0], {"temperature": 0.0})  # a file of one set
+    old = cal.load_sts(tmp_path / "old.json")
+    assert old.at.tolist() == [0.0] and old.temperatures.tolist() == [[0.5, 1.0]]
+    (tmp_path / "bad.json").write_text('{"sets": [{"temperature": 0, "temperatures": [1]}, '
+                                       '{"temperature": 1, "temperatures": [1, 2]}]}')
+    with pytest.raises(ValueError, match="different lengths"):
+        cal.load_sts(tmp_path / "bad.json")
+    (tmp_path / "bad2.json").write_text('{"sets": [{"temperatures": [1]}]}')
+    with pytest.raises(ValueError, match="numeric 'temperature'"):
+        cal.load_sts(tmp_path / "bad2.json")

@@ -453,3 +453,28 @@ def test_gate_acceptance_sums_follow_the_drafted_rounds(model, drafter):
         if r.drafted and r.scheduled.sum() > 0:
             want = cfg.accept_decay * want + int(r.accepted.sum())
     assert accepted == pytest.approx(want, rel=1e-5)
+
+
+def test_each_request_uses_the_sts_set_fitted_nearest_its_temperature(model, drafter):
+    """Greedy and sampled requests in one batch: each row's confidences are its own set's calibration."""
+    from dspark_jax.calibration import STSSets
+    from dspark_jax.engine import SamplingParams
+
+    sets = STSSets.of({0.0: [1.0, 2.0, 0.5, 3.0], 1.0: [4.0, 0.25, 1.5, 8.0]})
+    e = eng.Engine(model, drafter, "fixed:4", eng.EngineConfig(num_slots=3, capacity=64), sts_temperatures=sets,
+                   stop_ids=[])
+    e.record_confidences = e.record_tokens = True
+    temps = {e.submit(p, 6, sampling=SamplingParams(temperature=t)): t
+             for p, t in zip(prompts(3, seed=21), [0.0, 0.8, 0.2])}
+    seen = 0
+    while not e.idle():
+        st = e.step()
+        if st is None or st.confidence_logits is None or not st.drafted:
+            continue
+        for row, rid in enumerate(st.requests):
+            want = 1 / (1 + np.exp(-st.confidence_logits[row] / sets.for_temperature(temps[int(rid)])))
+            np.testing.assert_allclose(st.confidences[row], want, rtol=1e-5, atol=1e-7)
+            seen += 1
+    assert seen >= 3
+    assert sets.for_temperature(0.8).tolist() == [4.0, 0.25, 1.5, 8.0]
+    assert sets.for_temperature(0.2).tolist() == [1.0, 2.0, 0.5, 3.0]

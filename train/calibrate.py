@@ -3,7 +3,10 @@
     python -m train.calibrate --draft runs/dspark/export --prompts ../shared/data/prompts/dev
     python -m train.calibrate --draft dspark --out runs/dspark-calibrated   # a shipped drafter: --out needed
 
-Writes sts.json, calibration.json and reliability.png beside the drafter weights, or, with --out FOLDER, a copy
+Fits one set of STS temperatures per sampling temperature (``--temperatures``, default 0 and 1: a draft survives
+by the target's argmax at 0 and by rejection sampling above, so the same confidence means a different chance;
+each request then uses the set fitted nearest its own temperature). Writes sts.json, calibration.json and
+reliability.png beside the drafter weights, or, with --out FOLDER, a copy
 of the drafter folder with them (what --draft FOLDER then loads). It never writes into the installed package:
 a shipped drafter (or any folder inside the package or site-packages) needs --out elsewhere.
 """
@@ -15,11 +18,13 @@ import json
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from dspark_jax import calibration
 from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.sharding import mesh_from_args
 from dspark_jax.drafters import SHIPPED, copy_drafter, installed_package_path, resolve_drafter, shipped_dir
-from dspark_jax.evaluation import evaluate_rounds, fixed_block_rounds, half_per_file, pooled
+from dspark_jax.evaluation import encode_first_turns, evaluate_rounds, fixed_block_rounds, half_per_file, pooled
 from dspark_jax.plots import plot_reliability
 from dspark_jax.timing import write_json
 
@@ -53,10 +58,14 @@ def main(argv=None):
     p.add_argument("--limit", type=int, default=24, help="prompts per file from the calibration half")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=640)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0],
+                   help="sampling temperatures to fit a set at (each request uses the set fitted nearest its own)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
+    at = sorted(set(args.temperatures))
+    if any(not (t >= 0 and t < float("inf")) for t in at):
+        raise ValueError(f"--temperatures: expected finite numbers >= 0, got {args.temperatures}")
     out = output_folder(args.draft, args.out)
     chosen_per_file = half_per_file(sorted(args.prompts), "calib", args.limit)  # checks the files first
     mesh = mesh_from_args(args)
@@ -64,32 +73,36 @@ def main(argv=None):
     drafter, _, _, path = resolve_drafter(args.draft, target_cfg=model.cfg)
     if args.out is None:  # the folder the drafter was actually loaded from, checked again
         out = output_folder(str(path), None)
-    prompts = []
-    for chosen in chosen_per_file:
-        prompts += [ids for ids in (model.tokenizer.encode_chat([pr.turns[0]]) for pr in chosen)
-                    if len(ids) <= args.max_prompt_tokens]
-    if not prompts:
-        raise ValueError(f"--prompts: no calibration-half prompt fits in --max-prompt-tokens "
-                         f"{args.max_prompt_tokens}")
-    rounds, _ = fixed_block_rounds(model, drafter, prompts, max_new_tokens=args.max_new_tokens, mesh=mesh,
-                                   temperature=args.temperature, concurrency=args.concurrency, seed=args.seed)
-    logits, acc, ver = pooled(rounds)
-    temps = calibration.fit_sts(logits, acc, ver)
-    report = evaluate_rounds(rounds, drafter.cfg.block, temps)
-    info = {"rounds": report["rounds"], "prompts": len(prompts), "temperature": args.temperature, "half": "calib",
-            "model": args.model}
+    prompts = encode_first_turns(model.tokenizer, chosen_per_file, args.max_prompt_tokens)
+    fitted, reports = [], []
+    for t in at:
+        rounds, _ = fixed_block_rounds(model, drafter, prompts, max_new_tokens=args.max_new_tokens, mesh=mesh,
+                                       temperature=t, concurrency=args.concurrency, seed=args.seed)
+        logits, acc, ver = pooled(rounds)
+        fitted.append(calibration.fit_sts(logits, acc, ver))
+        reports.append(evaluate_rounds(rounds, drafter.cfg.block, fitted[-1]))
+        print(f"T = {t:g}: " + json.dumps({k: reports[-1][k] for k in ("accept_len", "rounds", "ece_raw", "ece_sts",
+                                                                       "auroc")}))
+        print("  temperatures:", [round(float(x), 3) for x in fitted[-1]])
+    sets = calibration.STSSets(np.asarray(at), np.stack(fitted))
+    info = [{"rounds": r["rounds"], "prompts": len(prompts), "half": "calib", "model": args.model} for r in reports]
+    # calibration.json: the report at the highest temperature at the top (what `drafters.prior_confidence`
+    # reads), every temperature's summary under "sets"
+    report = {**reports[-1], "temperature": at[-1],
+              "sets": [{"temperature": t, **{k: r[k] for k in ("accept_len", "rounds", "ece_raw", "ece_sts", "auroc",
+                                                                "temperatures", "per_position")}}
+                       for t, r in zip(at, reports)]}
     same = out.absolute().resolve() == Path(path).absolute().resolve()
     with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
         stage = Path(path) if same else Path(tmp)  # in place for the drafter's own folder, else staged
-        calibration.save_temperatures(stage / "sts.json", temps, info)
+        calibration.save_sts(stage / "sts.json", sets, info)
         write_json(stage / "calibration.json", report)
-        plot_reliability([{"label": "raw", **report["reliability_raw"]},
-                          {"label": "STS", **report["reliability_sts"]}],
-                         stage / "reliability.png", title=f"{out.name}: pooled survival, {report['rounds']} rounds")
+        curves = [{"label": f"{kind}, T = {t:g}", **r[f"reliability_{kind}"]}
+                  for t, r in zip(at, reports) for kind in ("raw", "sts")]
+        plot_reliability(curves, stage / "reliability.png",
+                         title=f"{out.name}: pooled survival, {sum(r['rounds'] for r in reports)} rounds")
         if not same:
             copy_drafter(path, out, attach=[stage / n for n in ("sts.json", "calibration.json", "reliability.png")])
-    print(json.dumps({k: report[k] for k in ("accept_len", "rounds", "ece_raw", "ece_sts", "auroc")}, indent=1))
-    print("temperatures:", [round(float(t), 3) for t in temps])
     print(f"calibrated drafter: {out}")
 
 

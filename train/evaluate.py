@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 
 from dspark_jax.build import add_model_arguments, load_target
+from dspark_jax.calibration import STSSets
 from dspark_jax.sharding import mesh_from_args
 from dspark_jax.drafters import resolve_drafter
-from dspark_jax.evaluation import evaluate_rounds, fixed_block_rounds, half_per_file
+from dspark_jax.evaluation import encode_first_turns, evaluate_rounds, fixed_block_rounds, half_per_file
 from dspark_jax.timing import write_json
 
 
@@ -39,16 +40,13 @@ def main(argv=None):
     drafter, meta, temps, path = resolve_drafter(args.draft, target_cfg=model.cfg)
     if args.no_sts:
         temps = None
-    prompts = []
-    for chosen in chosen_per_file:
-        prompts += [ids for ids in (model.tokenizer.encode_chat([pr.turns[0]]) for pr in chosen)
-                    if len(ids) <= args.max_prompt_tokens]
-    if not prompts:
-        raise ValueError(f"--prompts: no prompt fits in --max-prompt-tokens {args.max_prompt_tokens}")
+    prompts = encode_first_turns(model.tokenizer, chosen_per_file, args.max_prompt_tokens)
     rounds, engine = fixed_block_rounds(model, drafter, prompts, max_new_tokens=args.max_new_tokens, mesh=mesh,
                                         temperature=args.temperature, concurrency=args.concurrency, seed=args.seed,
                                         sts_temperatures=temps)
-    report = evaluate_rounds(rounds, drafter.cfg.block, temps)
+    # the STS set the engine used at this temperature (a drafter may carry sets fitted at several)
+    used = None if temps is None else STSSets.of(temps).for_temperature(args.temperature)
+    report = evaluate_rounds(rounds, drafter.cfg.block, used)
     report.update(draft=str(path), model=args.model, prompts=len(prompts), temperature=args.temperature,
                   max_new_tokens=args.max_new_tokens, block=drafter.cfg.block)
     print(f"{path.name}: tau {report['accept_len']:.3f} over {report['rounds']} rounds, "
