@@ -90,7 +90,8 @@ def main(argv=None):
     # reads), every temperature's summary under "sets"
     report = {**reports[-1], "temperature": at[-1],
               "sets": [{"temperature": t, **{k: r[k] for k in ("accept_len", "rounds", "ece_raw", "ece_sts", "auroc",
-                                                                "temperatures", "per_position")}}
+                                                                "temperatures", "per_position", "reliability_raw",
+                                                                "reliability_sts")}}
                        for t, r in zip(at, reports)]}
     same = out.absolute().resolve() == Path(path).absolute().resolve()
     with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
