@@ -33,9 +33,11 @@ def test_shipped_pair_differs_only_in_the_heads(target):
         assert getattr(ds.cfg, field) == getattr(df.cfg, field), field
     assert ds_meta["training"]["steps"] == df_meta["training"]["steps"]
     assert ds_meta["training"]["args"]["cache"] == df_meta["training"]["args"]["cache"]
-    # STS temperatures, one per block position, fitted on dev rounds and shipped beside the weights.
-    assert ds_temps is not None and ds_temps.shape == (ds.cfg.block,)
-    assert np.all(np.isfinite(ds_temps)) and np.all(ds_temps > 0)
+    # STS temperatures, one per block position, fitted on dev rounds and shipped beside the weights: a set
+    # for greedy rounds and one for sampled rounds (a draft survives by a different rule at each).
+    assert ds_temps is not None and ds_temps.block == ds.cfg.block
+    assert ds_temps.at.tolist() == [0.0, 1.0]
+    assert np.all(np.isfinite(ds_temps.temperatures)) and np.all(ds_temps.temperatures > 0)
 
 
 def test_profiler_times_the_shipped_drafter_shape():

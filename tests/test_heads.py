@@ -209,3 +209,26 @@ def test_copy_drafter_adds_the_calibration_atomically(tmp_path):
     (tmp_path / "notes" / "a.txt").write_text("mine")
     with pytest.raises(ValueError, match="notes exists and is not a drafter folder"):
         drafters.copy_drafter(drafters.shipped_dir("dflash"), tmp_path / "notes")
+
+
+def test_calibrate_fits_a_set_per_temperature_and_the_engine_reads_them(setup, monkeypatch):
+    """`train.calibrate --temperatures 0 1` decodes the calibration half at each temperature and writes both
+    sets; loading the folder gives `STSSets` at [0, 1], and calibration.json's top report is the T = 1 one."""
+    s = setup
+    folder = drafter_files.save_drafter(tiny_drafter(), s.tmp / "dspark")
+    prompts = s.tmp / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"q{i}"]}) + "\n" for i in range(6)))
+    monkeypatch.setattr(calibrate, "load_target", lambda model=None, dtype=None, mesh=None: s.target)
+    rng = np.random.default_rng(0)
+    monkeypatch.setattr(calibrate, "encode_first_turns", lambda tok, chosen, limit: [
+        rng.integers(1, TARGET.vocab_size, size=5).tolist() for c in chosen for _ in c])
+    calibrate.main(["--draft", str(folder), "--prompts", str(prompts), "--max-new-tokens", "12",
+                    "--concurrency", "2", "--temperatures", "1", "0"])
+    _, _, sets, _ = drafters.resolve_drafter(str(folder), target_cfg=TARGET)
+    assert sets.at.tolist() == [0.0, 1.0] and sets.temperatures.shape == (2, G)
+    report = json.loads((folder / "calibration.json").read_text())
+    assert report["temperature"] == 1.0 and [e["temperature"] for e in report["sets"]] == [0.0, 1.0]
+    assert report["sets"][1]["temperatures"] == report["temperatures"]
+    assert all("reliability_sts" in e for e in report["sets"])
+    with pytest.raises(ValueError, match="--temperatures"):
+        calibrate.main(["--draft", str(folder), "--prompts", str(prompts), "--temperatures", "-1"])
