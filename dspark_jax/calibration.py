@@ -327,7 +327,8 @@ def load_sts(path: str | os.PathLike) -> STSSets:
     obj = _read_sts_json(path)
     if "sets" not in obj:
         t = obj.get("temperature", 1.0)
-        return STSSets.of(load_temperatures(path), at=1.0 if t is None else float(t))
+        temps = _positive_list(obj.get("temperatures", []), f"STS temperatures {path}")
+        return STSSets.of(temps, at=1.0 if t is None else float(t))
     sets = obj["sets"]
     if not isinstance(sets, list) or not sets or not all(isinstance(e, dict) for e in sets):
         raise ValueError(f"STS temperatures {path}: 'sets' must be a non-empty list of "

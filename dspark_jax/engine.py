@@ -461,7 +461,6 @@ class Engine:
             if sets.block != self.G:
                 raise ValueError(f"sts_temperatures: expected {self.G} values (one per block position), got "
                                  f"{sets.block}")
-            self.sts = sets
             self.temps = (jnp.asarray(sets.at), jnp.asarray(sets.temperatures))  # [K], [K, G]
             self.draft_vocab = None if self.drafter.cfg.draft_vocab == target.cfg.vocab_size else self.drafter.vocab_ids[...]
         if config.window_rule not in ("step", "pow2"):
