@@ -35,7 +35,7 @@ from dspark_jax.models.drafter import Drafter, draft_head_weights
 from dspark_jax.io import atomic_write_text
 
 __all__ = ["LossConfig", "block_loss", "TrainConfig", "make_optimizer", "train", "validate", "replicate",
-           "shard_batch", "choose_draft_vocab"]
+           "shard_batch", "choose_draft_vocab", "init_layers_from_target"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,3 +318,57 @@ def choose_draft_vocab(frequencies: np.ndarray, size: int, always: tuple[int, ..
     must = [int(t) for t in always]
     chosen = [t for t in order[: size] if t not in must][: size - len(must)] + must
     return np.sort(np.asarray(chosen, np.int32))
+
+
+def init_layers_from_target(drafter: Drafter, weights, layers) -> Drafter:
+    """Start the drafter's decoder layers (and its final norm) from the target's own: drafter layer j takes
+    target layer ``layers[j]``'s norms and projections. The context projection, the heads and anything the
+    target lacks keep their fresh initialisation. Modifies ``drafter`` in place and returns it.
+
+    Args:
+      drafter: a fresh drafter at the target's width (`DrafterConfig.for_target`, the target's FFN width).
+      weights: the target's `LlamaWeights` (float, not quantized).
+      layers: target layer indices, one per drafter layer (negative ones count from the last).
+    Raises:
+      ValueError: a count, index or shape that does not fit, or a target with attention biases (the drafter
+        has none).
+
+    >>> from flax import nnx
+    >>> from dspark_jax.models.llama import LlamaConfig, init_random_weights
+    >>> from dspark_jax.models.drafter import Drafter, DrafterConfig
+    >>> tcfg = LlamaConfig.tiny(vocab_size=64)
+    >>> w = init_random_weights(tcfg, jax.random.key(0))
+    >>> d = Drafter(DrafterConfig.for_target(tcfg, n_layers=1, block=3), rngs=nnx.Rngs(0))
+    >>> d = init_layers_from_target(d, w, [-1])
+    >>> bool(jnp.all(d.layers[0].w_down.kernel[...] == w.layers[-1].w_down))
+    True
+    >>> init_layers_from_target(d, w, [0, 1])
+    Traceback (most recent call last):
+    ...
+    ValueError: init layers [0, 1]: expected one target layer per drafter layer (1)
+    """
+    cfg = drafter.cfg
+    n = len(weights.layers)
+    idx = [int(i) for i in layers]
+    if len(idx) != cfg.n_layers:
+        raise ValueError(f"init layers {idx}: expected one target layer per drafter layer ({cfg.n_layers})")
+    if any(not -n <= i < n for i in idx):
+        raise ValueError(f"init layers {idx}: the target has layers 0..{n - 1} (or -{n}..-1)")
+    pairs = [("attn_norm", "scale"), ("wq", "kernel"), ("wk", "kernel"), ("wv", "kernel"), ("wo", "kernel"),
+             ("mlp_norm", "scale"), ("w_gate", "kernel"), ("w_up", "kernel"), ("w_down", "kernel")]
+    if cfg.qk_norm:
+        pairs += [("q_norm", "scale"), ("k_norm", "scale")]
+    for j, i in enumerate(idx):
+        src = weights.layers[i]
+        if getattr(src, "bq", None) is not None:
+            raise ValueError("init layers: the target's attention has biases, which the drafter's layers lack")
+        for name, param in pairs:
+            value = getattr(src, name)
+            var = getattr(getattr(drafter.layers[j], name), param)
+            if value is None or tuple(value.shape) != tuple(var[...].shape):
+                raise ValueError(f"init layers: target layer {i}'s {name} has shape "
+                                 f"{None if value is None else tuple(value.shape)}, drafter layer {j}'s "
+                                 f"{tuple(var[...].shape)}; build the drafter at the target's width and FFN")
+            var[...] = jnp.asarray(value, var[...].dtype)
+    drafter.final_norm.scale[...] = jnp.asarray(weights.final_norm, drafter.final_norm.scale[...].dtype)
+    return drafter

@@ -124,6 +124,37 @@ def test_validate_only_scores_a_drafter_on_the_blocks_training_logged(setup, mon
     assert 1.0 <= flash["val_tau_prob"] <= 1.0 + G
 
 
+def test_init_layers_start_from_the_target_layers(setup, monkeypatch):
+    """--init-layers: the drafter's layers and final norm start as the named target layers (the first step's
+    checkpoint is one Adam step away from them), and the run records the option; a bad index or an FFN width
+    the target's layers do not have stops before training."""
+    s = setup
+    loader = data.BlockLoader
+    monkeypatch.setattr(data, "BlockLoader", lambda cache, **kw: loader(cache, buckets=(32,), **kw))
+    captured = {}
+
+    def capture(drafter, *a, **k):
+        captured["d"] = drafter
+        return drafter
+
+    monkeypatch.setattr(train_drafter.training, "train", capture)
+    monkeypatch.setattr(train_drafter, "plot_training", lambda *a, **k: None)
+    (s.tmp / "run").mkdir()
+    (s.tmp / "run" / "metrics.jsonl").write_text('{"tau_prob": 1.0}\n')
+    train_drafter.main(run_args(s, "--layers", "1", "--rank", "4", "--steps", "1", "--init-layers", "-1"))
+    d, last = captured["d"], s.target.weights.layers[-1]
+    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        np.testing.assert_array_equal(np.asarray(getattr(d.layers[0], name).kernel[...]), np.asarray(getattr(last, name)))
+    np.testing.assert_array_equal(np.asarray(d.layers[0].attn_norm.scale[...]), np.asarray(last.attn_norm))
+    np.testing.assert_array_equal(np.asarray(d.final_norm.scale[...]), np.asarray(s.target.weights.final_norm))
+    assert json.loads((s.tmp / "run" / "run.json").read_text())["init_layers"] == [-1]
+    with pytest.raises(ValueError, match=r"--init-layers 7: init layers \[7\]: the target has layers 0\.\.1"):
+        train_drafter.main(run_args(s, "--run", str(s.tmp / "r2"), "--layers", "1", "--init-layers", "7"))
+    with pytest.raises(ValueError, match="w_gate has shape .* build the drafter at the target's width and FFN"):
+        train_drafter.main(run_args(s, "--run", str(s.tmp / "r3"), "--layers", "1", "--ffn", "16",
+                                    "--init-layers", "0"))
+
+
 def fail_if_reached(*a, **k):
     raise AssertionError("reached long work")
 
@@ -134,6 +165,8 @@ def fail_if_reached(*a, **k):
     (["--init-from", "dflash", "--layers", "3"], "--layers: the architecture comes from --init-from"),
     (["--kind", "dflash", "--head", "rnn"], "--head: a DFlash drafter has no sequential head"),
     (["--validate-only", "--init-from", "dflash"], "--validate-only: name the drafter with --init-from and the held"),
+    (["--init-layers", "-1"], "--init-layers -1: expected one target layer per drafter layer (2)"),
+    (["--init-from", "dflash", "--init-layers", "-1"], "--init-layers: the architecture comes from --init-from"),
 ])
 def test_bad_options_stop_at_parsing(setup, monkeypatch, capsys, extra, error):
     monkeypatch.setattr(train_drafter, "load_target", fail_if_reached)

@@ -117,6 +117,9 @@ def main(argv=None):
     p.add_argument("--block", type=int, default=None, help=f"default {FRESH_DEFAULTS['block']}")
     p.add_argument("--tap-norm", action="store_true",
                    help="RMS-normalise each tapped target layer before the context projection (new drafters)")
+    p.add_argument("--init-layers", type=int, nargs="+", default=None, metavar="I",
+                   help="a fresh drafter's decoder layers (and final norm) start from these target layers, one per "
+                        "drafter layer (negative: from the last; e.g. -2 -1); --ffn then defaults to the target's")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help=f"0 = full target vocabulary (default {FRESH_DEFAULTS['draft_vocab']})")
     p.add_argument("--kl", type=float, default=0.0, metavar="WEIGHT",
@@ -148,11 +151,16 @@ def main(argv=None):
     else:
         given = [f"--{k.replace('_', '-')}" for k in FRESH_DEFAULTS if getattr(args, k) is not None]
         given += ["--tap-norm"] if args.tap_norm else []
+        given += ["--init-layers"] if args.init_layers is not None else []
         if given:
             p.error(f"{', '.join(given)}: the architecture comes from --init-from {args.init_from}; drop them")
         if args.init_from not in SHIPPED and not Path(args.init_from).exists():
             raise ValueError(f"--init-from {args.init_from}: no such folder; expected one of {SHIPPED} or a "
                              f"drafter folder")
+    n_layers = FRESH_DEFAULTS["layers"] if args.layers is None else args.layers
+    if args.init_layers is not None and len(args.init_layers) != n_layers:
+        p.error(f"--init-layers {' '.join(map(str, args.init_layers))}: expected one target layer per drafter "
+                f"layer ({n_layers})")
     if args.validate_only and (args.init_from is None or args.val_cache is None):
         p.error("--validate-only: name the drafter with --init-from and the held-out cache with --val-cache")
     if args.kind == "dflash" and args.head is not None:
@@ -180,6 +188,8 @@ def main(argv=None):
     fresh: list[str] = []
     if args.init_from is None:
         arch = {k: FRESH_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k) for k in FRESH_DEFAULTS}
+        if args.init_layers is not None and args.ffn is None:
+            arch["ffn"] = target.cfg.ffn_dim  # layers started from the target's have its FFN width
         vocab = training.choose_draft_vocab(freqs, arch["draft_vocab"], always=tuple(target.tokenizer.stop_ids))
         cfg = DrafterConfig.for_target(
             target.cfg, n_layers=arch["layers"], ffn_dim=arch["ffn"], block=arch["block"],
@@ -188,6 +198,11 @@ def main(argv=None):
             tap_norm=args.tap_norm,
         )
         drafter = Drafter(cfg, rngs=nnx.Rngs(args.seed), vocab_ids=vocab)
+        if args.init_layers is not None:
+            try:
+                training.init_layers_from_target(drafter, target.weights, args.init_layers)
+            except ValueError as err:
+                raise ValueError(f"--init-layers {' '.join(map(str, args.init_layers))}: {err}") from err
         source = None
     else:
         src, source = init_source(args, target)
@@ -198,6 +213,7 @@ def main(argv=None):
     record = {"kind": args.kind, "train": args.train, "init_from": None if source is None else str(source),
               "config": cfg.to_dict(), "model": args.model, "seed": args.seed,
               **({"kl": args.kl} if args.kl else {}),  # absent at 0: runs started before the option resume
+              **({"init_layers": args.init_layers} if args.init_layers is not None else {}),
               "lr": args.lr, "blocks": args.blocks, "context_tokens": args.context_tokens}
     check_resume(run, record)
     run.mkdir(parents=True, exist_ok=True)
