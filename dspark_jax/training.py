@@ -320,15 +320,20 @@ def choose_draft_vocab(frequencies: np.ndarray, size: int, always: tuple[int, ..
     return np.sort(np.asarray(chosen, np.int32))
 
 
-def init_layers_from_target(drafter: Drafter, weights, layers) -> Drafter:
+def init_layers_from_target(drafter: Drafter, weights, layers, *, context_tap: int | None = -1) -> Drafter:
     """Start the drafter's decoder layers (and its final norm) from the target's own: drafter layer j takes
-    target layer ``layers[j]``'s norms and projections. The context projection, the heads and anything the
-    target lacks keep their fresh initialisation. Modifies ``drafter`` in place and returns it.
+    target layer ``layers[j]``'s norms and projections. With ``context_tap``, the context features start as
+    that tapped layer alone, normalised as the first copied layer normalises its input (the context
+    projection selects the tap; the context norm takes that layer's attention-norm scale): the first drafter
+    layer's context keys and values then start as the target layer's own over those states. The heads keep
+    their fresh initialisation. Modifies ``drafter`` in place and returns it.
 
     Args:
       drafter: a fresh drafter at the target's width (`DrafterConfig.for_target`, the target's FFN width).
       weights: the target's `LlamaWeights` (float, not quantized).
       layers: target layer indices, one per drafter layer (negative ones count from the last).
+      context_tap: index into the drafter's taps (-1: the deepest), or None to keep the context projection
+        and norm fresh.
     Raises:
       ValueError: a count, index or shape that does not fit, or a target with attention biases (the drafter
         has none).
@@ -371,4 +376,13 @@ def init_layers_from_target(drafter: Drafter, weights, layers) -> Drafter:
                                  f"{tuple(var[...].shape)}; build the drafter at the target's width and FFN")
             var[...] = jnp.asarray(value, var[...].dtype)
     drafter.final_norm.scale[...] = jnp.asarray(weights.final_norm, drafter.final_norm.scale[...].dtype)
+    if context_tap is not None:
+        M, D = cfg.n_taps, cfg.dim
+        if not -M <= context_tap < M:
+            raise ValueError(f"init context tap {context_tap}: the drafter has taps 0..{M - 1} (or -{M}..-1)")
+        kernel = drafter.ctx_proj.kernel
+        select = np.zeros((M, D, D), np.float32)
+        select[context_tap % M] = np.eye(D, dtype=np.float32)
+        kernel[...] = jnp.asarray(select.reshape(M * D, D), kernel[...].dtype)
+        drafter.ctx_norm.scale[...] = jnp.asarray(weights.layers[idx[0]].attn_norm, drafter.ctx_norm.scale[...].dtype)
     return drafter

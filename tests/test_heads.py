@@ -5,6 +5,7 @@ import doctest
 import json
 import types
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -147,7 +148,14 @@ def test_init_layers_start_from_the_target_layers(setup, monkeypatch):
         np.testing.assert_array_equal(np.asarray(getattr(d.layers[0], name).kernel[...]), np.asarray(getattr(last, name)))
     np.testing.assert_array_equal(np.asarray(d.layers[0].attn_norm.scale[...]), np.asarray(last.attn_norm))
     np.testing.assert_array_equal(np.asarray(d.final_norm.scale[...]), np.asarray(s.target.weights.final_norm))
-    assert json.loads((s.tmp / "run" / "run.json").read_text())["init_layers"] == [-1]
+    # the context starts as the deepest tap, normalised as the copied layer's input: its keys are the layer's own
+    taps = np.random.default_rng(0).normal(size=(3, d.cfg.n_taps, d.cfg.dim)).astype(np.float32)
+    h = taps[:, -1]
+    h = h / np.sqrt(np.mean(h * h, -1, keepdims=True) + d.cfg.norm_eps) * np.asarray(last.attn_norm)
+    np.testing.assert_allclose(np.asarray(d.layers[0].wk(d.context_features(jnp.asarray(taps)))),
+                               h @ np.asarray(last.wk), rtol=1e-4, atol=1e-5)
+    record = json.loads((s.tmp / "run" / "run.json").read_text())
+    assert record["init_layers"] == [-1] and record["init_context"]
     with pytest.raises(ValueError, match=r"--init-layers 7: init layers \[7\]: the target has layers 0\.\.1"):
         train_drafter.main(run_args(s, "--run", str(s.tmp / "r2"), "--layers", "1", "--init-layers", "7"))
     with pytest.raises(ValueError, match="w_gate has shape .* build the drafter at the target's width and FFN"):
@@ -167,6 +175,7 @@ def fail_if_reached(*a, **k):
     (["--validate-only", "--init-from", "dflash"], "--validate-only: name the drafter with --init-from and the held"),
     (["--init-layers", "-1"], "--init-layers -1: expected one target layer per drafter layer (2)"),
     (["--init-from", "dflash", "--init-layers", "-1"], "--init-layers: the architecture comes from --init-from"),
+    (["--no-init-context"], "--no-init-context: only with --init-layers"),
 ])
 def test_bad_options_stop_at_parsing(setup, monkeypatch, capsys, extra, error):
     monkeypatch.setattr(train_drafter, "load_target", fail_if_reached)

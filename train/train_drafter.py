@@ -120,6 +120,9 @@ def main(argv=None):
     p.add_argument("--init-layers", type=int, nargs="+", default=None, metavar="I",
                    help="a fresh drafter's decoder layers (and final norm) start from these target layers, one per "
                         "drafter layer (negative: from the last; e.g. -2 -1); --ffn then defaults to the target's")
+    p.add_argument("--no-init-context", action="store_true",
+                   help="with --init-layers: keep the context projection fresh (by default it starts as the "
+                        "deepest tapped layer, normalised as the first copied layer normalises its input)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help=f"0 = full target vocabulary (default {FRESH_DEFAULTS['draft_vocab']})")
     p.add_argument("--kl", type=float, default=0.0, metavar="WEIGHT",
@@ -161,6 +164,8 @@ def main(argv=None):
     if args.init_layers is not None and len(args.init_layers) != n_layers:
         p.error(f"--init-layers {' '.join(map(str, args.init_layers))}: expected one target layer per drafter "
                 f"layer ({n_layers})")
+    if args.no_init_context and args.init_layers is None:
+        p.error("--no-init-context: only with --init-layers")
     if args.validate_only and (args.init_from is None or args.val_cache is None):
         p.error("--validate-only: name the drafter with --init-from and the held-out cache with --val-cache")
     if args.kind == "dflash" and args.head is not None:
@@ -200,7 +205,8 @@ def main(argv=None):
         drafter = Drafter(cfg, rngs=nnx.Rngs(args.seed), vocab_ids=vocab)
         if args.init_layers is not None:
             try:
-                training.init_layers_from_target(drafter, target.weights, args.init_layers)
+                training.init_layers_from_target(drafter, target.weights, args.init_layers,
+                                                 context_tap=None if args.no_init_context else -1)
             except ValueError as err:
                 raise ValueError(f"--init-layers {' '.join(map(str, args.init_layers))}: {err}") from err
         source = None
@@ -213,7 +219,8 @@ def main(argv=None):
     record = {"kind": args.kind, "train": args.train, "init_from": None if source is None else str(source),
               "config": cfg.to_dict(), "model": args.model, "seed": args.seed,
               **({"kl": args.kl} if args.kl else {}),  # absent at 0: runs started before the option resume
-              **({"init_layers": args.init_layers} if args.init_layers is not None else {}),
+              **({"init_layers": args.init_layers, "init_context": not args.no_init_context}
+                 if args.init_layers is not None else {}),
               "lr": args.lr, "blocks": args.blocks, "context_tokens": args.context_tokens}
     check_resume(run, record)
     run.mkdir(parents=True, exist_ok=True)
