@@ -58,7 +58,8 @@ def args_for(tmp_path, *extra):
 
 def test_stages_run_in_order_with_the_same_recipe_for_both_drafters(tmp_path):
     calls = []
-    record = pipeline.run(args_for(tmp_path, "--steps", "30", "--kl", "0.5", "--tap-norm", "--lr", "0.002"),
+    record = pipeline.run(args_for(tmp_path, "--steps", "30", "--kl", "0.5", "--tap-norm", "--lr", "0.002",
+                                   "--init-layers", "-2", "-1"),
                           fake_mains(calls),
                           log=lambda m: None)
     names = [c[0] for c in calls]
@@ -73,6 +74,8 @@ def test_stages_run_in_order_with_the_same_recipe_for_both_drafters(tmp_path):
     assert strip(dspark) == strip(dflash)  # same data, steps, seed and recipe options
     assert dspark[dspark.index("--steps") + 1] == "30" and "--tap-norm" in dspark and "--kl" in dspark
     assert dspark[dspark.index("--lr") + 1] == "0.002" and "--context-tokens" not in dspark  # unset: its default
+    i = dspark.index("--init-layers")
+    assert dspark[i + 1:i + 3] == ["-2", "-1"] and record["settings"]["init_layers"] == [-2, -1]
     evals = [c[1] for c in calls if c[0] == "evaluate"]
     assert all(a[a.index("--half") + 1] == "eval" for a in evals)  # the held-out half only
     assert {a[a.index("--temperature") + 1] for a in evals} == {"0", "1"}

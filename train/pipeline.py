@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary (train_drafter's default)")
     p.add_argument("--tap-norm", action="store_true", help="normalise each tapped layer (train_drafter)")
     p.add_argument("--kl", type=float, default=0.0, help="distillation weight (train_drafter --kl)")
+    p.add_argument("--init-layers", type=int, nargs="+", default=None, metavar="I",
+                   help="both drafters' layers start from these target layers (train_drafter --init-layers)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (train_drafter's default)")
     p.add_argument("--context-tokens", type=int, default=None,
                    help="context tokens per training batch (train_drafter's default)")
@@ -67,10 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_of(args: argparse.Namespace) -> dict:
-    """The options that decide the results (a resumed run must repeat them)."""
-    return {k: getattr(args, k) for k in ("data", "model", "shards", "val_shards", "steps", "layers", "draft_vocab",
-                                          "tap_norm", "kl", "lr", "context_tokens", "eval_limit", "eval_max_new_tokens",
-                                          "seed")}
+    """The options that decide the results (a resumed run must repeat them). Options added later are recorded
+    only when given, so that runs started before them resume."""
+    settings = {k: getattr(args, k) for k in ("data", "model", "shards", "val_shards", "steps", "layers", "draft_vocab",
+                                              "tap_norm", "kl", "lr", "context_tokens", "eval_limit",
+                                              "eval_max_new_tokens", "seed")}
+    if args.init_layers is not None:
+        settings["init_layers"] = list(args.init_layers)
+    return settings
 
 
 Command = tuple[str, Callable[[list[str]], object], list[str], Path | None]  # label, main, argv, output (skip if present)
@@ -120,6 +126,7 @@ def plan(args: argparse.Namespace, mains: dict) -> list[tuple[str, list[Command]
         recipe += [] if value is None else [flag, str(value)]
     recipe += ["--tap-norm"] if args.tap_norm else []
     recipe += ["--kl", str(args.kl)] if args.kl else []
+    recipe += ["--init-layers", *map(str, args.init_layers)] if args.init_layers is not None else []
     for kind in DRAFTERS:
         argv = ["--cache", str(out / "cache"), "--run", str(out / kind), "--kind", kind, "--steps", str(args.steps),
                 "--seed", str(args.seed)] + recipe + model
