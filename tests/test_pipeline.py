@@ -133,7 +133,11 @@ def test_shards_limit_generates_only_what_is_missing(tmp_path):
 @pytest.mark.parametrize("extra,match", [(["--steps", "0"], "--steps 0"), (["--shards", "0"], "--shards 0"),
                                          (["--kl", "-1"], "--kl -1"), (["--shards", "2", "--val-shards", "2"],
                                                                        "--val-shards 2"),
-                                         (["--lr", "0"], "--lr 0"), (["--context-tokens", "0"], "--context-tokens 0")])
+                                         (["--lr", "0"], "--lr 0"), (["--context-tokens", "0"], "--context-tokens 0"),
+                                         (["--init-layers", "-1"], "--init-layers -1: expected one target layer per "
+                                                                   "drafter layer (2)"),
+                                         (["--layers", "3", "--init-layers", "-2", "-1"],
+                                          "--init-layers -2 -1: expected one target layer per drafter layer (3)")])
 def test_bad_options_are_refused_before_work(tmp_path, extra, match, capsys):
     with pytest.raises(SystemExit):
         args_for(tmp_path, *extra)

@@ -185,6 +185,13 @@ def check_inputs(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"--context-tokens {args.context_tokens}: expected an integer >= 1")
     if not args.kl >= 0:
         p.error(f"--kl {args.kl}: expected a weight >= 0")
+    if args.init_layers is not None:
+        from train.train_drafter import FRESH_DEFAULTS  # noqa: PLC0415 (loads JAX: only when the option is given)
+
+        n_layers = FRESH_DEFAULTS["layers"] if args.layers is None else args.layers
+        if len(args.init_layers) != n_layers:  # train_drafter's own check, made before the data stage's hours
+            p.error(f"--init-layers {' '.join(map(str, args.init_layers))}: expected one target layer per drafter "
+                    f"layer ({n_layers})")
     dev = Path(args.dev_prompts)
     missing = [d for d in DOMAINS if not (dev / f"{d}.jsonl").is_file()]
     if missing:
