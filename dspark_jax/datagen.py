@@ -279,10 +279,10 @@ def generate_responses(model: LlamaModel, prompts: Sequence[Prompt], out_dir: st
     return {"shards": written, "tokens": generated, "seconds": elapsed, "tokens_per_s": generated / elapsed}
 
 
-def load_responses(data_dir: str | os.PathLike, shards: range | None = None) -> dict[str, list[dict]]:
+def load_responses(data_dir: str | os.PathLike, shards: Sequence[int] | None = None) -> dict[str, list[dict]]:
     """The shards of `generate_responses` as records, per shard name in order: ``{"index", "domain",
     "sample", "temperature", "finished", "prompt_ids", "output_ids"}`` for every non-empty answer.
-    ``shards``: only those shard numbers (e.g. ``range(0, 80)``), which must all be there."""
+    ``shards``: only those shard numbers, in that order (e.g. ``range(0, 80)``), which must all be there."""
     files = sorted(glob.glob(str(Path(data_dir) / "shard_*.npz")))
     if not files:
         raise ValueError(f"no generated shards (shard_*.npz) in {data_dir}; run train.generate_data first")
@@ -291,9 +291,11 @@ def load_responses(data_dir: str | os.PathLike, shards: range | None = None) -> 
         missing = sorted(set(want) - set(files))
         if not want:
             raise ValueError(f"shards {shards}: an empty range; expected at least one shard number")
+        if len(set(want)) != len(want):
+            raise ValueError(f"shards {list(shards)}: a shard is asked for twice; expected each at most once")
         if missing:
-            raise ValueError(f"{data_dir}: shards {shards.start}..{shards.stop - 1} are asked for, but {len(missing)} "
-                             f"are missing ({Path(missing[0]).name}, ...); generate them first (train.generate_data)")
+            raise ValueError(f"{data_dir}: {len(want)} shards are asked for, but {len(missing)} are missing "
+                             f"({Path(missing[0]).name}, ...); generate them first (train.generate_data)")
         files = want
     out = {}
     for f in files:

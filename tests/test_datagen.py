@@ -69,8 +69,10 @@ def test_resumes_by_shard_and_refuses_other_settings(small, tmp_path):
     assert first["shards"] == 1 and shard_path(tmp_path / "r", 0).exists()
     assert not shard_path(tmp_path / "r", 1).exists()
     assert list(load_responses(tmp_path / "r", shards=range(1))) == ["shard_00000"]
-    with pytest.raises(ValueError, match="shards 0..1 are asked for, but 1 are missing.*shard_00001"):
+    with pytest.raises(ValueError, match="2 shards are asked for, but 1 are missing.*shard_00001"):
         load_responses(tmp_path / "r", shards=range(2))
+    with pytest.raises(ValueError, match="asked for twice"):
+        load_responses(tmp_path / "r", shards=[0, 0])
     before = shard_path(tmp_path / "r", 0).stat().st_mtime_ns
     assert run(small, tmp_path / "r")["shards"] == 2
     assert shard_path(tmp_path / "r", 0).stat().st_mtime_ns == before  # kept, not redone

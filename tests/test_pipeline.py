@@ -153,7 +153,8 @@ def test_missing_dev_prompts_are_named(tmp_path, capsys):
     assert "gsm8k.jsonl" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("value,match", [("5", "expected START:STOP"), ("4:2", "0 <= START < STOP")])
+@pytest.mark.parametrize("value,match", [("5", "is not START:STOP"), ("4:2", "0 <= START < STOP"),
+                                         ("0:3,5", "'5' is not START:STOP"), ("0:3,2:4", "overlap")])
 def test_build_cache_refuses_a_bad_shard_range(value, match, capsys, tmp_path):
     from train import build_cache
 
