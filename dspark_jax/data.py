@@ -106,17 +106,70 @@ def parse_turns(line: str, where: str = "prompt") -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------------------------------ stage 2
+class StackedRows:
+    """Arrays stacked along their first axis without copying them: rows of memory-mapped shards read on demand.
+
+    ``parts``: arrays of one dtype and one row shape. Indexing by a slice or by integer rows returns what the
+    same index of ``np.concatenate(parts)`` would, reading only the rows asked for, so a cache larger than memory
+    can be trained on.
+
+    >>> rows = StackedRows([np.arange(6).reshape(3, 2), np.arange(6, 10).reshape(2, 2)])
+    >>> rows.shape, rows[2:4].tolist(), rows[np.array([4, 0])].tolist()
+    ((5, 2), [[4, 5], [6, 7]], [[8, 9], [0, 1]])
+    """
+
+    def __init__(self, parts: Sequence[np.ndarray]):
+        if not parts:
+            raise ValueError("StackedRows: expected at least one array")
+        rest = {(p.dtype, p.shape[1:]) for p in parts}
+        if len(rest) != 1:
+            raise ValueError(f"StackedRows: the arrays differ in dtype or row shape: {sorted(map(str, rest))}")
+        self.parts = list(parts)
+        self.starts = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
+        self.dtype, row = rest.pop()
+        self.shape = (int(self.starts[-1]), *row)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index) -> np.ndarray:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1 and start < stop:
+                k = int(np.searchsorted(self.starts, start, side="right")) - 1
+                if stop <= self.starts[k + 1]:  # within one part: a view of it, nothing read yet
+                    return self.parts[k][start - self.starts[k] : stop - self.starts[k]]
+            index = np.arange(start, stop, step)
+        rows = np.asarray(index)
+        if rows.dtype.kind not in "iu":
+            raise TypeError(f"StackedRows: index by a slice or integer rows, got {type(index).__name__}")
+        rows = np.where(rows < 0, rows + len(self), rows)
+        if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
+            raise IndexError(f"StackedRows: rows out of range for {len(self)} rows")
+        part = np.searchsorted(self.starts, rows, side="right") - 1
+        out = np.empty(rows.shape + self.shape[1:], self.dtype)
+        for k in np.unique(part):
+            sel = part == k
+            out[sel] = self.parts[k][rows[sel] - self.starts[k]]
+        return out
+
+    def view(self, dtype) -> "StackedRows":
+        """Every part viewed as ``dtype`` (of the same item size)."""
+        return StackedRows([p.view(dtype) for p in self.parts])
+
+
 @dataclasses.dataclass
 class TargetCache:
-    """Memory-mapped hidden states of many sequences laid end to end.
+    """Hidden states of many sequences laid end to end (memory-mapped when opened from disk).
 
     tokens int32 [T], taps bf16 [T, M, D], final float16 [T, D], lse float32 [T]; sequence i occupies
-    ``offsets[i] : offsets[i] + lengths[i]`` and its assistant tokens start at ``prompt_lengths[i]``.
+    ``offsets[i] : offsets[i] + lengths[i]`` and its assistant tokens start at ``prompt_lengths[i]``. ``taps``
+    and ``final`` may be `StackedRows` of the cache's shards, read on demand.
     """
 
     tokens: np.ndarray
-    taps: np.ndarray
-    final: np.ndarray
+    taps: np.ndarray | StackedRows
+    final: np.ndarray | StackedRows
     lse: np.ndarray
     offsets: np.ndarray
     lengths: np.ndarray
@@ -200,10 +253,12 @@ def open_target_cache(cache_dir: str | os.PathLike) -> TargetCache:
             temperatures.append(np.nan if m.get("temperature") is None else m["temperature"])
             base += m["length"]
     cat = lambda xs: xs[0] if len(xs) == 1 else np.concatenate(xs)  # noqa: E731
+    # The hidden states stay on disk (7 KB a token at SmolLM2's shape): only the rows a batch asks for are read.
+    stack = lambda xs: xs[0] if len(xs) == 1 else StackedRows(xs)  # noqa: E731
     return TargetCache(
         tokens=cat(parts["tokens"]),
-        taps=cat(parts["taps"]).view(BF16),
-        final=cat(parts["final"]),
+        taps=stack(parts["taps"]).view(BF16),
+        final=stack(parts["final"]),
         lse=cat(parts["lse"]),
         offsets=np.asarray(offsets, np.int64),
         lengths=np.asarray(lengths, np.int64),

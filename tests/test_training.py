@@ -1,5 +1,6 @@
 """Loss terms against NumPy, checkpoint save / restore / resume, drafter export."""
 
+import dataclasses
 import json
 
 import jax
@@ -7,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dspark_jax import data, training
 from dspark_jax.models import drafter as dr
@@ -218,6 +221,29 @@ def test_int8_drafter_round_trip_and_attach(tmp_path, monkeypatch):
         drafter_files.save_drafter(d, tmp_path / "r", quantize="int4")
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=5), st.data())
+def test_stacked_rows_index_as_the_concatenation(lens, draw):
+    parts = [np.arange(2 * sum(lens[:i]), 2 * sum(lens[: i + 1])).reshape(-1, 2) for i in range(len(lens))]
+    full, rows = np.concatenate(parts), data.StackedRows(parts)
+    T = len(full)
+    ends = st.integers(-T - 2, T + 2)
+    cut = slice(draw.draw(ends), draw.draw(ends), draw.draw(st.sampled_from([None, 1, 2, -1])))
+    np.testing.assert_array_equal(rows[cut], full[cut])
+    idx = np.array(draw.draw(st.lists(st.integers(-T, T - 1), max_size=8)) if T else [], np.int64)
+    np.testing.assert_array_equal(rows[idx], full[idx])
+    np.testing.assert_array_equal(rows[idx.reshape(-1, 1)], full[idx.reshape(-1, 1)])
+    with pytest.raises(IndexError, match="out of range"):
+        rows[np.array([T])]
+
+
+def test_stacked_rows_refuse_parts_that_do_not_stack():
+    with pytest.raises(ValueError, match="differ in dtype or row shape"):
+        data.StackedRows([np.zeros((2, 3)), np.zeros((2, 4))])
+    with pytest.raises(TypeError, match="integer rows"):
+        data.StackedRows([np.zeros((2, 3))])[np.array([0.5])]
+
+
 def test_target_cache_build_is_incremental_and_consistent(tmp_path):
     from dspark_jax.models.llama import LlamaModel, logits_from_hidden
 
@@ -246,6 +272,14 @@ def test_target_cache_build_is_incremental_and_consistent(tmp_path):
     want_lse = np.asarray(jax.nn.logsumexp(logits_from_hidden(w, jnp.asarray(final)), axis=-1))
     np.testing.assert_allclose(cache.lse[off : off + 12], want_lse, rtol=1e-5)
     np.testing.assert_allclose(final @ np.asarray(w.embed).T, logits, rtol=0.02, atol=0.05)  # float16 storage
+    # Two shards: the hidden states stay on disk, and batches are those of the same cache held in memory.
+    assert isinstance(cache.taps, data.StackedRows) and isinstance(cache.final, data.StackedRows)
+    whole = dataclasses.replace(cache, taps=cache.taps[:], final=cache.final[:])
+    assert isinstance(whole.taps, np.ndarray)
+    a = data.BlockLoader(cache, block=G, buckets=(16,), context_tokens=32, blocks=8, seed=1).batch(0)
+    b = data.BlockLoader(whole, block=G, buckets=(16,), context_tokens=32, blocks=8, seed=1).batch(0)
+    for f in dataclasses.fields(a):
+        np.testing.assert_array_equal(getattr(a, f.name), getattr(b, f.name))
 
 
 def test_pack_drafter_carries_side_files_and_shrinks_storage(tmp_path, monkeypatch):
