@@ -1,7 +1,5 @@
 """The drafter: masks, teacher-forced against sampled paths, the context cache."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,23 +52,6 @@ def test_block_sees_only_context_before_its_anchor(target):
     assert np.abs(np.asarray(moved[0, 1] - base[0, 1])).max() > 1e-4
     # Features at positions >= 7 are invisible to both blocks.
     np.testing.assert_array_equal(run(d, taps.at[0, 7:].add(3.0)), base)
-
-
-def test_input_scale_multiplies_the_block_inputs(target):
-    """A drafter with input_scale s computes what the same weights compute with inputs s times larger."""
-    d = make()
-    scaled = dr.Drafter(dataclasses.replace(d.cfg, input_scale=2.5), rngs=nnx.Rngs(0))
-    nnx.update(scaled, nnx.state(d))
-    k, v = d.context_kv(context(1, 8), jnp.arange(8)[None])
-    mask = jnp.arange(8)[None, None, :] < jnp.array([[3, 6]])[..., None]
-    anchors, anchor_pos = jnp.array([[5, 9]]), jnp.array([[3, 6]])
-    want_h = scaled.hidden(k, v, mask, anchors, anchor_pos, target.embed)
-    plain = d.hidden(k, v, mask, anchors, anchor_pos, target.embed)
-    assert np.abs(np.asarray(want_h - plain)).max() > 1e-3  # the scale is not ignored
-    d.mask_embed[...] = 2.5 * d.mask_embed[...]
-    np.testing.assert_allclose(d.hidden(k, v, mask, anchors, anchor_pos, 2.5 * target.embed), want_h, atol=1e-5)
-    with pytest.raises(ValueError, match="input_scale must be a positive number, got 0"):
-        dataclasses.replace(d.cfg, input_scale=0.0)
 
 
 def test_empty_context_gives_no_nan(target):

@@ -176,9 +176,6 @@ def fail_if_reached(*a, **k):
     (["--init-layers", "-1"], "--init-layers -1: expected one target layer per drafter layer (2)"),
     (["--init-from", "dflash", "--init-layers", "-1"], "--init-layers: the architecture comes from --init-from"),
     (["--no-init-context"], "--no-init-context: only with --init-layers"),
-    (["--input-scale", "0"], "--input-scale 0.0: expected a positive number"),
-    (["--input-scale", "nan"], "--input-scale nan: expected a positive number"),
-    (["--init-from", "dflash", "--input-scale", "2"], "--input-scale: the architecture comes from --init-from"),
 ])
 def test_bad_options_stop_at_parsing(setup, monkeypatch, capsys, extra, error):
     monkeypatch.setattr(train_drafter, "load_target", fail_if_reached)

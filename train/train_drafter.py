@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 
@@ -126,9 +125,6 @@ def main(argv=None):
     p.add_argument("--no-init-context", action="store_true",
                    help="with --init-layers: keep the context projection fresh (by default it starts as the "
                         "deepest tapped layer, normalised as the first copied layer normalises its input)")
-    p.add_argument("--input-scale", type=float, default=None, metavar="S",
-                   help="a fresh drafter multiplies its block inputs (anchor embedding, mask vector) by S, e.g. to "
-                        "meet layers started from the target's at its residual stream's scale (default 1)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help=f"0 = full target vocabulary (default {FRESH_DEFAULTS['draft_vocab']})")
     p.add_argument("--kl", type=float, default=0.0, metavar="WEIGHT",
@@ -161,7 +157,6 @@ def main(argv=None):
         given = [f"--{k.replace('_', '-')}" for k in FRESH_DEFAULTS if getattr(args, k) is not None]
         given += ["--tap-norm"] if args.tap_norm else []
         given += ["--init-layers"] if args.init_layers is not None else []
-        given += ["--input-scale"] if args.input_scale is not None else []
         if given:
             p.error(f"{', '.join(given)}: the architecture comes from --init-from {args.init_from}; drop them")
         if args.init_from not in SHIPPED and not Path(args.init_from).exists():
@@ -171,8 +166,6 @@ def main(argv=None):
     if args.init_layers is not None and len(args.init_layers) != n_layers:
         p.error(f"--init-layers {' '.join(map(str, args.init_layers))}: expected one target layer per drafter "
                 f"layer ({n_layers})")
-    if args.input_scale is not None and not (math.isfinite(args.input_scale) and args.input_scale > 0):
-        p.error(f"--input-scale {args.input_scale}: expected a positive number")
     if args.no_init_context and args.init_layers is None:
         p.error("--no-init-context: only with --init-layers")
     if args.validate_only and (args.init_from is None or args.val_cache is None):
@@ -209,7 +202,7 @@ def main(argv=None):
             target.cfg, n_layers=arch["layers"], ffn_dim=arch["ffn"], block=arch["block"],
             rank=256 if args.rank is None else args.rank, head=(args.head or "markov") if dspark else "none",
             confidence=dspark, draft_vocab_size=0 if len(vocab) == target.cfg.vocab_size else len(vocab),
-            tap_norm=args.tap_norm, input_scale=1.0 if args.input_scale is None else args.input_scale,
+            tap_norm=args.tap_norm,
         )
         drafter = Drafter(cfg, rngs=nnx.Rngs(args.seed), vocab_ids=vocab)
         if args.init_layers is not None:

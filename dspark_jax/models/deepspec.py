@@ -387,9 +387,6 @@ def save_deepspec_drafter(drafter: Drafter, folder: str | os.PathLike, *, embed:
     if cfg.tap_norm:
         raise ValueError("save_deepspec_drafter: DeepSpec drafters project the raw tapped layers; this drafter "
                          "normalises each tap first (tap_norm=True), which they cannot express")
-    if cfg.input_scale != 1.0:
-        raise ValueError(f"save_deepspec_drafter: DeepSpec drafters feed their block embeddings unscaled; this "
-                         f"drafter multiplies them by input_scale={cfg.input_scale}, which they cannot express")
     if cfg.draft_vocab != cfg.vocab_size:
         raise ValueError(f"save_deepspec_drafter: DeepSpec drafters propose from the full vocabulary; this drafter "
                          f"has a reduced draft vocabulary of {cfg.draft_vocab} of {cfg.vocab_size} tokens")

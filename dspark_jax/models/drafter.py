@@ -66,7 +66,6 @@ class DrafterConfig:
     confidence_prev: bool = True  # the confidence head reads [h_k ; W1[x_k]]; False: h_k alone
     tap_layers: tuple[int, ...] | None = None  # the target layers it reads; None: whatever the target taps
     tap_norm: bool = False  # RMSNorm each tapped layer (own scale per tap) before the context projection
-    input_scale: float = 1.0  # the block slots' inputs (anchor embedding, mask vector) are multiplied by this
 
     def __post_init__(self):
         if self.tap_layers is not None:
@@ -81,8 +80,6 @@ class DrafterConfig:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.block < 1:
             raise ValueError(f"block must be >= 1, got {self.block}")
-        if not (np.isfinite(self.input_scale) and self.input_scale > 0):
-            raise ValueError(f"input_scale must be a positive number, got {self.input_scale}")
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must lie in [0, {self.vocab_size}], got {self.draft_vocab_size}")
 
@@ -281,8 +278,6 @@ class Drafter(nnx.Module):
         first = table[anchors].astype(dtype)[:, :, None, :]  # [N, B, 1, D]
         rest = jnp.broadcast_to(mask.astype(dtype), (*anchors.shape, G - 1, self.cfg.dim))
         x = jnp.concatenate([first, rest], axis=2)  # [N, B, G, D]
-        if self.cfg.input_scale != 1.0:  # layers started from the target's expect its residual stream's scale
-            x = x * jnp.asarray(self.cfg.input_scale, dtype)
         positions = anchor_pos[..., None] + jnp.arange(G, dtype=jnp.int32)  # [N, B, G]
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, ctx_k[i], ctx_v[i], ctx_mask)
