@@ -274,3 +274,16 @@ def test_calibrate_fits_a_set_per_temperature_and_the_engine_reads_them(setup, m
     assert all("reliability_sts" in e for e in report["sets"])
     with pytest.raises(ValueError, match="--temperatures"):
         calibrate.main(["--draft", str(folder), "--prompts", str(prompts), "--temperatures", "-1"])
+
+
+def test_a_run_started_before_a_config_field_existed_resumes(tmp_path):
+    """check_resume fills config fields missing from an older run.json with their defaults; a real difference
+    is still refused, naming it."""
+    cfg = DrafterConfig.for_target(TARGET, n_layers=1, block=G)
+    record = {"kind": "dspark", "config": cfg.to_dict(), "seed": 0}
+    older = {**record, "config": {k: v for k, v in cfg.to_dict().items() if k != "tap_norm"}}
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "run.json").write_text(json.dumps(older))
+    train_drafter.check_resume(tmp_path, record)
+    with pytest.raises(ValueError, match="config differ"):
+        train_drafter.check_resume(tmp_path, {**record, "config": {**cfg.to_dict(), "tap_norm": True}})
