@@ -470,6 +470,8 @@ class Engine:
             if sps is None:
                 sps = default_sps_table()
             if isinstance(sps, SPSTable):
+                if self.drafter is not None:
+                    sps.check_compatible(drafter=self.drafter.cfg.to_dict())
                 if sps.cost_model is not None:
                     if sps.cost_model.block != self.G or sps.cost_model.window_rule != config.window_rule:
                         raise ValueError(

@@ -53,8 +53,8 @@ from dspark_jax.models.llama import (BUCKETS, CONTEXT_STEP, LlamaConfig, LlamaWe
                                      grid_bucket, init_cache)
 from dspark_jax.sharding import (drafter_cache_axes, kv_cache_axes, mesh_of, mesh_shape, place,
                                  place_drafter_state, place_target_weights)
-from dspark_jax.sps import (OVERHEAD_KINDS, CostModel, SPSMetadata, SPSPoint, SPSTable, host_cpu, realistic_rows,
-                           round_windows)
+from dspark_jax.sps import (DRAFTER_SHAPE_FIELDS, OVERHEAD_KINDS, CostModel, SPSMetadata, SPSPoint, SPSTable, host_cpu,
+                            realistic_rows, round_windows)
 from dspark_jax.timing import Timing, time_call
 
 __all__ = [
@@ -619,7 +619,7 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
         "repeats": repeats,
         "cells": "diagonal" if diagonal else "all",
         "drafter": None if drafter is None else {k: v for k, v in drafter.cfg.to_dict().items()
-                                                 if k in ("n_layers", "ffn_dim", "rank", "draft_vocab_size", "head")},
+                                                 if k in DRAFTER_SHAPE_FIELDS},
         "points": POINTS_NOTE,
     }
     if cost.overhead_s is not None:

@@ -429,6 +429,33 @@ def test_metadata_mismatch_warns(tiny_profile, tmp_path):
         load_sps_table(out, model="tiny-random", dtype="float32", backend=jax.default_backend(), block=G)
 
 
+def test_engine_warns_when_its_drafter_is_not_the_profiled_one(tiny_profile):
+    """The table records the drafter it timed; an engine drafting with another shape says so."""
+    from flax import nnx
+
+    from dspark_jax.build import LoadedDrafter, build_engine
+    from dspark_jax.models.drafter import Drafter
+    from dspark_jax.models.llama import LlamaModel, init_random_weights
+
+    table, _ = tiny_profile
+    cfg = LlamaConfig.tiny()
+    target = LlamaModel(cfg, init_random_weights(cfg, jax.random.key(0)))
+    same = measure.random_drafter(cfg, block=G)
+    deeper_cfg = dataclasses.replace(same.cfg, n_layers=same.cfg.n_layers + 1)
+    deeper = Drafter(deeper_cfg, rngs=nnx.Rngs(0), vocab_ids=np.arange(deeper_cfg.draft_vocab, dtype=np.int32))
+
+    def engine(drafter):
+        return build_engine(target, "dspark", draft=LoadedDrafter(drafter, None, 0.5, None), sps=table, num_slots=2,
+                            capacity=64)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine(same)
+    with pytest.warns(UserWarning, match=f"n_layers={same.cfg.n_layers} but is used with one of "
+                                         f"n_layers={same.cfg.n_layers + 1}.*profile_sps"):
+        engine(deeper)
+
+
 # ----------------------------------------------------------------------------------------------------
 # The script's early errors (before anything is loaded or measured)
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -110,6 +111,19 @@ def test_dense_table_feeds_the_scheduler():
     conf = np.full((16, 7), 0.9, np.float32)
     s = scheduler.schedule_checked(conf, dense)
     assert 16 <= int(s.batch_tokens) < dense.shape[0]
+
+
+def test_drafter_shape_warning():
+    """A table profiled with one drafter and used with another says so, naming both shapes."""
+    t = table(extra={"drafter": {"n_layers": 2, "ffn_dim": 1536, "rank": 256, "draft_vocab_size": 8192,
+                                 "head": "markov"}})
+    deeper = {"n_layers": 3, "ffn_dim": 1536, "rank": 256, "draft_vocab_size": 8192, "head": "markov", "dim": 576}
+    with pytest.warns(UserWarning, match="drafter of n_layers=2 but is used with one of n_layers=3"):
+        assert len(t.check_compatible(drafter=deeper)) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert t.check_compatible(drafter=dict(deeper, n_layers=2)) == []  # same shape; other fields ignored
+        assert table().check_compatible(drafter=deeper) == []  # a table that records no drafter
 
 
 def test_compatibility_warning():

@@ -30,6 +30,8 @@ VERSION = 1
 # the one measured on the CPU most like this one, DEFAULT_TABLE where none is alike.
 PACKAGED_TABLES = "assets/sps"
 DEFAULT_TABLE = "assets/sps/cpu_smollm2_135m.json"
+# The drafter fields a profiled table records (``metadata.extra["drafter"]``): what sets a draft program's cost.
+DRAFTER_SHAPE_FIELDS = ("n_layers", "ffn_dim", "rank", "draft_vocab_size", "head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,11 +271,14 @@ class SPSTable:
     # ------------------------------------------------------------------ compatibility
     def check_compatible(self, *, model: str | None = None, dtype: str | None = None,
                          backend: str | None = None, device_kind: str | None = None,
-                         block: int | None = None) -> list[str]:
+                         block: int | None = None, drafter: dict[str, Any] | None = None) -> list[str]:
         """Warn (and return the messages) where the table was measured for something else.
 
         ``block`` (G) is compared with the cost model's: verification with another block size compiles
-        another shape (``G + 1`` tokens per request) and costs something else.
+        another shape (``G + 1`` tokens per request) and costs something else. ``drafter`` (a drafter config's
+        fields, e.g. ``DrafterConfig.to_dict()``) is compared on :data:`DRAFTER_SHAPE_FIELDS` with the drafter
+        the table was profiled with, where it records one: a deeper or wider drafter makes every drafting
+        round dearer than the table says.
         """
         msgs = []
         for name, want in (("model", model), ("dtype", dtype), ("backend", backend), ("device_kind", device_kind)):
@@ -282,6 +287,16 @@ class SPSTable:
                 msgs.append(f"SPS table was measured with {name}={have!r} but is used with {name}={want!r}")
         if block is not None and self.cost_model is not None and self.cost_model.block != block:
             msgs.append(f"SPS table was measured with block={self.cost_model.block} but is used with block={block}")
+        have = self.metadata.extra.get("drafter")
+        if drafter is not None and isinstance(have, dict):
+            diff = [f"{k}={have[k]!r}" for k in DRAFTER_SHAPE_FIELDS if k in have and k in drafter and have[k] != drafter[k]]
+            if diff:
+                used = ", ".join(f"{k}={drafter[k]!r}" for k in DRAFTER_SHAPE_FIELDS if k in have and k in drafter
+                                 and have[k] != drafter[k])
+                msgs.append(f"SPS table was measured with a drafter of {', '.join(diff)} but is used with one of "
+                            f"{used}: its drafting rounds are mispriced until the engine has timed its own "
+                            f"(EngineConfig.calibrate_times); profile a table with this drafter "
+                            f"(python -m profiling.profile_sps --draft ...)")
         for m in msgs:
             warnings.warn(m, stacklevel=2)
         return msgs
