@@ -42,10 +42,10 @@ from dspark_jax.sps.cost_model import (INTERPOLATIONS, OVERHEAD_KINDS, CostModel
 from dspark_jax.sps.dense import (WINDOW_RULES, CostArrays, context_window, plain_sps_from_cost, round_windows,
                                   sps_from_cost)
 from dspark_jax.sps.host import cpu_similarity, host_cpu
-from dspark_jax.sps.tables import (DEFAULT_TABLE, DRAFTER_SHAPE_FIELDS, PACKAGED_TABLES, SPSMetadata, SPSPoint, SPSTable, default_sps_table,
-                                   load_sps_table, packaged_tables, select_packaged_table)
+from dspark_jax.sps.tables import (DEFAULT_TABLE, DRAFTER_SHAPE_FIELDS, PACKAGED_TABLES, SPSMetadata, SPSPoint, SPSTable,
+                                   default_sps_table, load_sps_table, packaged_tables, select_packaged_table)
 
 __all__ = ["SPSPoint", "SPSMetadata", "SPSTable", "CostModel", "CostArrays", "OVERHEAD_KINDS", "INTERPOLATIONS",
-           "DEFAULT_TABLE", "DRAFTER_SHAPE_FIELDS", "PACKAGED_TABLES", "host_cpu", "cpu_similarity", "select_packaged_table",
-           "packaged_tables", "WINDOW_RULES", "context_window", "round_windows", "realistic_rows", "sps_from_cost",
+           "DEFAULT_TABLE", "DRAFTER_SHAPE_FIELDS", "PACKAGED_TABLES", "host_cpu", "cpu_similarity",
+           "select_packaged_table", "packaged_tables", "WINDOW_RULES", "context_window", "round_windows", "realistic_rows", "sps_from_cost",
            "plain_sps_from_cost", "load_sps_table", "default_sps_table", "nondecreasing", "monotone_minorant"]

@@ -289,11 +289,11 @@ class SPSTable:
             msgs.append(f"SPS table was measured with block={self.cost_model.block} but is used with block={block}")
         have = self.metadata.extra.get("drafter")
         if drafter is not None and isinstance(have, dict):
-            diff = [f"{k}={have[k]!r}" for k in DRAFTER_SHAPE_FIELDS if k in have and k in drafter and have[k] != drafter[k]]
-            if diff:
-                used = ", ".join(f"{k}={drafter[k]!r}" for k in DRAFTER_SHAPE_FIELDS if k in have and k in drafter
-                                 and have[k] != drafter[k])
-                msgs.append(f"SPS table was measured with a drafter of {', '.join(diff)} but is used with one of "
+            differ = [k for k in DRAFTER_SHAPE_FIELDS if k in have and k in drafter and have[k] != drafter[k]]
+            if differ:
+                measured = ", ".join(f"{k}={have[k]!r}" for k in differ)
+                used = ", ".join(f"{k}={drafter[k]!r}" for k in differ)
+                msgs.append(f"SPS table was measured with a drafter of {measured} but is used with one of "
                             f"{used}: its drafting rounds are mispriced until the engine has timed its own "
                             f"(EngineConfig.calibrate_times); profile a table with this drafter "
                             f"(python -m profiling.profile_sps --draft ...)")
