@@ -6,8 +6,9 @@ The public API. Pure functions that live inside a user's own jitted decoding loo
   `sps_lookup`: which drafts each request verifies, given per-token confidences and a steps/s table;
 * `speculative_accept` (sampled) and `greedy_accept` (temperature 0; `greedy_accept_tokens` from the target's
   argmax tokens): lossless verification with a verification length per request;
-* `fit_sts`, `apply_sts`: Sequential Temperature Scaling of the confidence head; `STSSets` and
-  `sts_for_rows`: sets fitted at several sampling temperatures, each row taking the one nearest its own.
+* `fit_sts`, `apply_sts`: Sequential Temperature Scaling of the confidence head (`fit_sts_bias`: with a logit
+  offset per position); `STSSets` and `sts_for_rows`: sets fitted at several sampling temperatures, each row
+  taking the one nearest its own.
 
 Tables and engines:
 
@@ -18,7 +19,7 @@ Tables and engines:
 """
 
 from dspark_jax.build import build_engine, load_drafter_for, load_target
-from dspark_jax.calibration import STSSets, apply_sts, fit_sts, sts_for_rows
+from dspark_jax.calibration import STSSets, apply_sts, fit_sts, fit_sts_bias, sts_for_rows
 from dspark_jax.engine import Engine, EngineConfig, SamplingParams
 from dspark_jax.scheduler import Schedule, capacity, schedule, sps_lookup, survival_probs, top_k_lengths
 from dspark_jax.sps import SPSTable, load_sps_table
@@ -29,7 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "survival_probs", "schedule", "Schedule", "capacity", "top_k_lengths", "sps_lookup",
     "speculative_accept", "greedy_accept", "greedy_accept_tokens",
-    "fit_sts", "apply_sts", "STSSets", "sts_for_rows",
+    "fit_sts", "fit_sts_bias", "apply_sts", "STSSets", "sts_for_rows",
     "SPSTable", "load_sps_table",
     "Engine", "EngineConfig", "SamplingParams",
     "load_target", "load_drafter_for", "build_engine",

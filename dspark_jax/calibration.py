@@ -11,6 +11,11 @@ Axis legend: N rounds, G block positions, P grid points.
 Inputs everywhere: ``conf_logits`` float [N, G] (the confidence head's raw logits), ``accepted`` int [N]
 (drafts accepted in the round) and ``verified`` int [N] (drafts verified); position k (1-based) is observed
 when ``k <= verified`` and its event is ``accepted >= k``.
+
+Beyond the paper, `fit_sts_bias` fits a per-position logit offset ``b_k`` beside each temperature,
+``sigmoid(logit_k / T_k + b_k)`` (Platt scaling, fitted by the same sequential grid search): a temperature can
+only pull a confidence towards 0.5, so a head that reads too high on both sides of 0.5 (as the head trained on
+the temperature-1 acceptance does for greedy requests) needs the offset. ``b = 0`` everywhere is plain STS.
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ import numpy as np
 
 from dspark_jax.io import atomic_write_text
 
-__all__ = ["STS_GRID", "ece", "brier", "auroc", "reliability_bins", "apply_sts", "survival_from_logits",
-           "fit_sts", "events", "calibration_report", "STSSets", "sts_for_rows", "save_temperatures",
-           "save_sts", "load_temperatures", "load_sts"]
+__all__ = ["STS_GRID", "STS_BIAS_GRID", "ece", "brier", "auroc", "reliability_bins", "apply_sts",
+           "survival_from_logits", "fit_sts", "fit_sts_bias", "events", "calibration_report", "STSSets",
+           "sts_for_rows", "save_temperatures", "save_sts", "load_temperatures", "load_sts"]
 
 STS_GRID = tuple(float(2.0 ** (i / 10)) for i in range(-30, 31))
+# logit offsets searched by `fit_sts_bias`, smallest magnitude first (ties keep the smaller offset)
+STS_BIAS_GRID = tuple(sorted((round(i / 20, 2) for i in range(-60, 61)), key=lambda b: (abs(b), b)))
 N_BINS = 20
 
 
@@ -108,38 +115,63 @@ def reliability_bins(pred, outcome, weight=None, bins: int = N_BINS) -> dict[str
 
 
 @jax.jit
-def apply_sts(conf_logits: jax.Array, temperatures: jax.Array) -> jax.Array:
-    """Calibrated per-position confidences ``sigmoid(logit_k / T_k)``: [..., G], [G] -> [..., G].
+def apply_sts(conf_logits: jax.Array, temperatures: jax.Array, biases: jax.Array | None = None) -> jax.Array:
+    """Calibrated per-position confidences ``sigmoid(logit_k / T_k + b_k)``: [..., G], [..., G] -> [..., G].
+
+    ``biases`` (the offsets `fit_sts_bias` fits; default 0) broadcast like ``temperatures``.
 
     >>> [round(float(c), 3) for c in apply_sts(jnp.array([[0.0, 2.0]]), jnp.array([1.0, 2.0]))[0]]
     [0.5, 0.731]
+    >>> [round(float(c), 3) for c in apply_sts(jnp.array([[0.0, 2.0]]), jnp.array([1.0, 2.0]),
+    ...                                        jnp.array([0.0, -1.0]))[0]]
+    [0.5, 0.5]
     """
-    return jax.nn.sigmoid(conf_logits.astype(jnp.float32) / temperatures.astype(jnp.float32))
+    z = conf_logits.astype(jnp.float32) / temperatures.astype(jnp.float32)
+    if biases is not None:
+        z = z + biases.astype(jnp.float32)
+    return jax.nn.sigmoid(z)
 
 
 @jax.jit
-def survival_from_logits(conf_logits: jax.Array, temperatures: jax.Array) -> jax.Array:
-    """Predicted survival ``prod_{i<=k} sigmoid(logit_i / T_i)``: [N, G] -> [N, G]."""
-    return jnp.cumprod(apply_sts(conf_logits, temperatures), axis=-1)
+def survival_from_logits(conf_logits: jax.Array, temperatures: jax.Array, biases: jax.Array | None = None
+                         ) -> jax.Array:
+    """Predicted survival ``prod_{i<=k} sigmoid(logit_i / T_i + b_i)``: [N, G] -> [N, G]."""
+    return jnp.cumprod(apply_sts(conf_logits, temperatures, biases), axis=-1)
 
 
 @jax.jit
-def _fit(conf_logits, event, observed, grid):
-    """STS core: a lax.scan over positions, each choosing the grid temperature of least ECE."""
+def _fit(conf_logits, event, observed, grid, bias_grid):
+    """STS core: a lax.scan over positions, each choosing the (offset, temperature) pair of least ECE among
+    the grids' product; candidates run offset-major, so ties keep the first offset, then the smaller
+    temperature."""
     n, g = conf_logits.shape
+    temps_c = jnp.tile(grid, bias_grid.shape[0])  # [Q * P]
+    bias_c = jnp.repeat(bias_grid, grid.shape[0])  # [Q * P]
 
     def step(prefix, k):
         logit_k = conf_logits[:, k]
         w = observed[:, k].astype(jnp.float32)
         e = event[:, k]
-        # [P, N] survival at position k for every candidate temperature
-        cand = prefix[None, :] * jax.nn.sigmoid(logit_k[None, :] / grid[:, None])
-        errs = jax.vmap(lambda p: ece(p, e, w))(cand)
-        best = jnp.argmin(errs)  # first minimum: ties keep the smaller temperature
-        return cand[best], (grid[best], errs[best])
+        # [Q * P, N] survival at position k for every candidate
+        cand = prefix[None, :] * jax.nn.sigmoid(logit_k[None, :] / temps_c[:, None] + bias_c[:, None])
+        errs = jax.lax.map(lambda p: ece(p, e, w), cand, batch_size=256)
+        best = jnp.argmin(errs)  # first minimum
+        return cand[best], (temps_c[best], bias_c[best], errs[best])
 
-    _, (temps, errs) = jax.lax.scan(step, jnp.ones((n,), jnp.float32), jnp.arange(g))
-    return temps, errs
+    _, (temps, biases, errs) = jax.lax.scan(step, jnp.ones((n,), jnp.float32), jnp.arange(g))
+    return temps, biases, errs
+
+
+def _fit_checked(conf_logits, accepted, verified, grid, bias_grid):
+    conf_logits = jnp.asarray(conf_logits, jnp.float32)
+    if conf_logits.ndim != 2:
+        raise ValueError(f"conf_logits: expected [N, G], got shape {conf_logits.shape}")
+    event, observed = events(accepted, verified, conf_logits.shape[1])
+    if not bool(jnp.any(observed)):
+        raise ValueError("fit_sts: no observed positions (every round verified 0 drafts)")
+    temps, biases, _ = _fit(conf_logits, event, observed, jnp.asarray(grid, jnp.float32),
+                            jnp.asarray(bias_grid, jnp.float32))
+    return np.asarray(temps), np.asarray(biases)
 
 
 def fit_sts(conf_logits, accepted, verified, grid=STS_GRID) -> np.ndarray:
@@ -160,23 +192,40 @@ def fit_sts(conf_logits, accepted, verified, grid=STS_GRID) -> np.ndarray:
     >>> fit_sts(logits, accepted=[1, 0, 1, 0], verified=[1, 1, 1, 1]).tolist() > [1.0]
     True
     """
-    conf_logits = jnp.asarray(conf_logits, jnp.float32)
-    if conf_logits.ndim != 2:
-        raise ValueError(f"conf_logits: expected [N, G], got shape {conf_logits.shape}")
-    event, observed = events(accepted, verified, conf_logits.shape[1])
-    if not bool(jnp.any(observed)):
-        raise ValueError("fit_sts: no observed positions (every round verified 0 drafts)")
-    temps, _ = _fit(conf_logits, event, observed, jnp.asarray(grid, jnp.float32))
-    return np.asarray(temps)
+    return _fit_checked(conf_logits, accepted, verified, grid, (0.0,))[0]
 
 
-def calibration_report(conf_logits, accepted, verified, temperatures=None) -> dict:
-    """ECE (20 bins), AUROC and Brier per position and pooled, raw and after STS, plus reliability bins."""
+def fit_sts_bias(conf_logits, accepted, verified, grid=STS_GRID, bias_grid=STS_BIAS_GRID
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """STS with a per-position logit offset (Platt scaling, fitted sequentially like `fit_sts`).
+
+    Position by position, the (temperature, offset) pair of the grids' product whose calibrated survival
+    ``prod_{i<=k} sigmoid(logit_i / T_i + b_i)`` has the least ECE, given the earlier positions' pairs; ties
+    keep the offset listed first (`STS_BIAS_GRID` runs from 0 outwards), then the smaller temperature.
+
+    Args:
+      conf_logits: float [N, G]; accepted, verified: int [N] (as in `fit_sts`).
+      grid: candidate temperatures; bias_grid: candidate offsets.
+    Returns:
+      (temperatures float32 [G], offsets float32 [G]), for `apply_sts`.
+
+    >>> logits = np.array([[1.0], [2.0], [1.0], [2.0]])  # reads 0.73-0.88 where a quarter survive
+    >>> temps, offsets = fit_sts_bias(logits, accepted=[1, 0, 0, 0], verified=[1, 1, 1, 1])
+    >>> bool(offsets[0] < 0), float(fit_sts(logits, [1, 0, 0, 0], [1, 1, 1, 1])[0]) > 1
+    (True, True)
+    """
+    return _fit_checked(conf_logits, accepted, verified, grid, bias_grid)
+
+
+def calibration_report(conf_logits, accepted, verified, temperatures=None, biases=None) -> dict:
+    """ECE (20 bins), AUROC and Brier per position and pooled, raw and after STS (with its offsets
+    ``biases`` [G] when given), plus reliability bins."""
     conf_logits = jnp.asarray(conf_logits, jnp.float32)
     g = conf_logits.shape[1]
     event, observed = events(accepted, verified, g)
     raw = survival_from_logits(conf_logits, jnp.ones((g,)))
-    sts = None if temperatures is None else survival_from_logits(conf_logits, jnp.asarray(temperatures))
+    sts = None if temperatures is None else survival_from_logits(
+        conf_logits, jnp.asarray(temperatures), None if biases is None else jnp.asarray(biases, jnp.float32))
     out = {"per_position": [], "n_rounds": int(conf_logits.shape[0])}
     for k in range(g):
         w, e = observed[:, k], event[:, k]
@@ -197,6 +246,8 @@ def calibration_report(conf_logits, accepted, verified, temperatures=None) -> di
         out["auroc_sts"] = auroc(sts, event, observed)
         out["reliability_sts"] = reliability_bins(sts, event, observed)
         out["temperatures"] = [float(t) for t in np.asarray(temperatures)]
+        if biases is not None:
+            out["biases"] = [float(b) for b in np.asarray(biases)]
     return out
 
 
@@ -209,7 +260,8 @@ class STSSets:
     differently: each request uses the set fitted at the sampling temperature nearest its own (`sts_for_rows`;
     at a tie the lower one).
 
-    Fields: ``at`` float32 [K] sampling temperatures, ascending and distinct; ``temperatures`` float32 [K, G].
+    Fields: ``at`` float32 [K] sampling temperatures, ascending and distinct; ``temperatures`` float32 [K, G];
+    ``biases`` float32 [K, G], the logit offsets of `fit_sts_bias` (zeros, plain STS, when not given).
 
     >>> sets = STSSets.of({1.0: [0.5, 0.5], 0.0: [1.0, 2.0]})
     >>> sets.at.tolist(), sets.for_temperature(0.0).tolist(), sets.for_temperature(0.8).tolist()
@@ -218,10 +270,12 @@ class STSSets:
 
     at: np.ndarray
     temperatures: np.ndarray
+    biases: np.ndarray | None = None
 
     def __post_init__(self):
         at = np.asarray(self.at, np.float32)
         temps = np.asarray(self.temperatures, np.float32)
+        biases = np.zeros_like(temps) if self.biases is None else np.asarray(self.biases, np.float32)
         if at.ndim != 1 or temps.ndim != 2 or temps.shape[0] != at.shape[0] or at.shape[0] == 0 or temps.shape[1] == 0:
             raise ValueError(f"STS sets: expected at [K] and temperatures [K, G] with K, G >= 1, got shapes "
                              f"{at.shape} and {temps.shape}")
@@ -230,8 +284,12 @@ class STSSets:
                              f"{at.tolist()}")
         if not np.all(np.isfinite(temps)) or np.any(temps <= 0):
             raise ValueError("STS sets: expected positive, finite STS temperatures")
+        if biases.shape != temps.shape or not np.all(np.isfinite(biases)):
+            raise ValueError(f"STS sets: expected finite offsets of the temperatures' shape {temps.shape}, got "
+                             f"shape {biases.shape}")
         object.__setattr__(self, "at", at)
         object.__setattr__(self, "temperatures", temps)
+        object.__setattr__(self, "biases", biases)
 
     @classmethod
     def of(cls, sets: "STSSets | Mapping[float, Sequence[float]] | Sequence[float] | np.ndarray",
@@ -258,14 +316,18 @@ class STSSets:
         """The set [G] a request sampling at ``temperature`` uses."""
         return np.asarray(sts_for_rows(self.at, self.temperatures, jnp.asarray([temperature], jnp.float32))[0])
 
+    def biases_for_temperature(self, temperature: float) -> np.ndarray:
+        """The offsets [G] a request sampling at ``temperature`` uses (with `for_temperature`'s set)."""
+        return np.asarray(sts_for_rows(self.at, self.biases, jnp.asarray([temperature], jnp.float32))[0])
+
 
 @jax.jit
 def sts_for_rows(at: jax.Array, temperatures: jax.Array, sampling_temperature: jax.Array) -> jax.Array:
     """Each row's STS set: the one fitted at the sampling temperature nearest the row's (ties: the lower).
 
     Args:
-      at: float [K] ascending sampling temperatures of the sets; temperatures: float [K, G];
-      sampling_temperature: float [R] (0 for greedy rows).
+      at: float [K] ascending sampling temperatures of the sets; temperatures: float [K, G] (or any table
+        of one row per set, such as `STSSets.biases`); sampling_temperature: float [R] (0 for greedy rows).
     Returns:
       float32 [R, G], for `apply_sts`.
 
@@ -283,14 +345,16 @@ def save_temperatures(path: str | os.PathLike, temperatures, info: dict | None =
 
 
 def save_sts(path: str | os.PathLike, sets: STSSets, info: Sequence[dict] | None = None) -> None:
-    """Write STS sets as JSON, atomically: ``sets`` lists ``{"temperature": t, "temperatures": [G], ...}`` (with
-    the matching ``info`` entry merged in); the top-level ``temperatures`` and ``temperature`` repeat the set
-    fitted at the highest sampling temperature, for readers of a single set (`load_temperatures`)."""
+    """Write STS sets as JSON, atomically: ``sets`` lists ``{"temperature": t, "temperatures": [G], "biases":
+    [G], ...}`` (offsets written only where a set has any; with the matching ``info`` entry merged in); the
+    top-level ``temperatures`` and ``temperature`` repeat the set fitted at the highest sampling temperature,
+    for readers of a single set (`load_temperatures`)."""
     info = list(info or [{} for _ in sets.at])
     if len(info) != len(sets.at):
         raise ValueError(f"save_sts: {len(info)} info entries for {len(sets.at)} sets")
-    entries = [{"temperature": float(t), "temperatures": [float(x) for x in temps], **extra}
-               for t, temps, extra in zip(sets.at, sets.temperatures, info)]
+    entries = [{"temperature": float(t), "temperatures": [float(x) for x in temps],
+                **({"biases": [float(x) for x in b]} if np.any(b != 0) else {}), **extra}
+               for t, temps, b, extra in zip(sets.at, sets.temperatures, sets.biases, info)]
     obj = {"temperatures": entries[-1]["temperatures"], "temperature": entries[-1]["temperature"], "sets": entries}
     atomic_write_text(path, json.dumps(obj, indent=1) + "\n")
 
@@ -315,6 +379,19 @@ def _positive_list(values, where: str) -> np.ndarray:
     return temps
 
 
+def _finite_list(values, length: int, where: str) -> np.ndarray:
+    """Offsets: ``length`` finite numbers, zeros when absent (``None``)."""
+    if values is None:
+        return np.zeros((length,), np.float32)
+    try:
+        out = np.asarray(values, np.float32)
+    except (TypeError, ValueError):
+        out = np.zeros((0,), np.float32)
+    if out.shape != (length,) or not np.all(np.isfinite(out)):
+        raise ValueError(f"{where}: expected {length} finite numbers (one per block position)")
+    return out
+
+
 def load_temperatures(path: str | os.PathLike) -> np.ndarray:
     """One STS set [G]: the file's top-level ``temperatures`` (with several sets, the one fitted at the highest
     sampling temperature; `load_sts` reads them all)."""
@@ -337,12 +414,14 @@ def load_sts(path: str | os.PathLike) -> STSSets:
             for i, e in enumerate(sets)]
     if len({len(r) for r in rows}) != 1:
         raise ValueError(f"STS temperatures {path}: the sets have different lengths {[len(r) for r in rows]}")
+    biases = [_finite_list(e.get("biases"), len(r), f"STS temperatures {path}: sets[{i}].biases")
+              for i, (e, r) in enumerate(zip(sets, rows))]
     try:
         at = [float(e["temperature"]) for e in sets]
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"STS temperatures {path}: every set needs a numeric 'temperature'") from err
     order = np.argsort(at, kind="stable")
     try:
-        return STSSets(np.asarray(at)[order], np.stack(rows)[order])
+        return STSSets(np.asarray(at)[order], np.stack(rows)[order], np.stack(biases)[order])
     except ValueError as err:
         raise ValueError(f"STS temperatures {path}: {err}") from err

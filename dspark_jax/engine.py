@@ -461,7 +461,8 @@ class Engine:
             if sets.block != self.G:
                 raise ValueError(f"sts_temperatures: expected {self.G} values (one per block position), got "
                                  f"{sets.block}")
-            self.temps = (jnp.asarray(sets.at), jnp.asarray(sets.temperatures))  # [K], [K, G]
+            # [K], [K, G], [K, G]
+            self.temps = (jnp.asarray(sets.at), jnp.asarray(sets.temperatures), jnp.asarray(sets.biases))
             self.draft_vocab = None if self.drafter.cfg.draft_vocab == target.cfg.vocab_size else self.drafter.vocab_ids[...]
         if config.window_rule not in ("step", "pow2"):
             raise ValueError(f"window_rule: expected 'step' or 'pow2', got {config.window_rule!r}")
@@ -1091,9 +1092,10 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
         return (jnp.zeros((R, G), jnp.int32), jnp.zeros((R, G, W), jnp.float32), jnp.zeros((R, G), jnp.float32))
 
     tokens, probs, conf_logits = jax.lax.cond(opens, run_drafter, skip)
-    at, sets = temps  # [K] sampling temperatures the STS sets were fitted at, [K, G]
+    at, sets, offsets = temps  # [K] sampling temperatures the STS sets were fitted at, [K, G], [K, G]
     row_t = jnp.zeros((R,), jnp.float32) if greedy else state.temperature[rows]
-    conf = calibration.apply_sts(conf_logits, calibration.sts_for_rows(at, sets, row_t))  # [R, G]
+    conf = calibration.apply_sts(conf_logits, calibration.sts_for_rows(at, sets, row_t),
+                                 calibration.sts_for_rows(at, offsets, row_t))  # [R, G]
     hist = state.conf_hist[1][rows]
     lengths = jnp.where(row_valid & opens, policy_lengths(policy, policy_value, conf, hist, sps, row_valid, G), 0)
     if gate_cfg.fill and policy.kind in ("dspark", "dspark-async"):  # the padded batch's free room (lossless)

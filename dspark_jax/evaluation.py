@@ -52,17 +52,18 @@ def acceptance_report(accepted: np.ndarray, verified: np.ndarray, block: int) ->
     return {"accept_len": float(np.mean(accepted + 1)), "rounds": int(len(accepted)), "per_position": per}
 
 
-def evaluate_rounds(rounds: Sequence[RoundStats], block: int, sts_temperatures=None) -> dict:
-    """Acceptance and calibration of recorded rounds (the JSON the evaluate command writes)."""
+def evaluate_rounds(rounds: Sequence[RoundStats], block: int, sts_temperatures=None, sts_biases=None) -> dict:
+    """Acceptance and calibration of recorded rounds (the JSON the evaluate command writes); ``sts_biases``
+    [G]: the STS set's logit offsets (`calibration.fit_sts_bias`), if any."""
     logits, acc, ver = pooled(rounds)
     out = acceptance_report(acc, ver, block)
-    cal = calibration.calibration_report(logits, acc, ver, sts_temperatures)
+    cal = calibration.calibration_report(logits, acc, ver, sts_temperatures, sts_biases)
     for row, c in zip(out["per_position"], cal["per_position"]):
         row.update({k: v for k, v in c.items() if k not in ("position", "n")})
     out.update(ece_raw=cal["ece_raw"], brier_raw=cal["brier_raw"], auroc_raw=cal["auroc_raw"])
     if sts_temperatures is not None:
         out.update(ece_sts=cal["ece_sts"], brier_sts=cal["brier_sts"], auroc=cal["auroc_sts"],
-                   temperatures=cal["temperatures"])
+                   temperatures=cal["temperatures"], **({"biases": cal["biases"]} if "biases" in cal else {}))
     else:
         out.update(ece_sts=None, auroc=cal["auroc_raw"])
     out["reliability_raw"] = cal["reliability_raw"]

@@ -111,3 +111,48 @@ def test_sts_sets_file_round_trip_and_single_set_files(tmp_path):
     (tmp_path / "bad2.json").write_text('{"sets": [{"temperatures": [1]}]}')
     with pytest.raises(ValueError, match="numeric 'temperature'"):
         cal.load_sts(tmp_path / "bad2.json")
+
+
+def test_offsets_recover_a_head_that_reads_too_high_on_both_sides_of_one_half():
+    """True survival sigmoid(logit / T + b) with b < 0: every confidence reads too high, below 0.5 as well as
+    above, which no temperature mends; the fitted offsets do, and plain STS stays the offset-free special case."""
+    rng = np.random.default_rng(5)
+    n, g = 40000, 3
+    truth_t, truth_b = np.array([1.5, 0.8, 1.0]), np.array([-1.0, -0.5, 0.0])
+    logits = rng.normal(0.0, 2.0, size=(n, g)).astype(np.float32)
+    accept = rng.uniform(size=(n, g)) < 1 / (1 + np.exp(-(logits / truth_t + truth_b)))
+    accepted = np.argmin(np.concatenate([accept, np.zeros((n, 1), bool)], 1), axis=1)
+    verified = np.full(n, g)
+    plain = cal.fit_sts(logits, accepted, verified)
+    temps, offsets = cal.fit_sts_bias(logits, accepted, verified)
+    np.testing.assert_allclose(offsets[:2], truth_b[:2], atol=0.16)
+    np.testing.assert_allclose(np.log2(temps[0]), np.log2(truth_t[0]), atol=0.21)
+    with_b = cal.calibration_report(logits, accepted, verified, temps, offsets)
+    without = cal.calibration_report(logits, accepted, verified, plain)
+    assert with_b["ece_sts"] < 0.01 < without["ece_sts"], (with_b["ece_sts"], without["ece_sts"])
+    assert with_b["biases"] == [float(b) for b in offsets]
+    # one offset grid point, zero: the temperatures alone, exactly as fit_sts
+    t0, b0 = cal.fit_sts_bias(logits, accepted, verified, bias_grid=(0.0,))
+    assert t0.tolist() == plain.tolist() and b0.tolist() == [0.0] * g
+
+
+def test_sts_sets_carry_offsets_through_rows_and_files(tmp_path):
+    sets = cal.STSSets(np.array([0.0, 1.0]), np.array([[0.5, 1.0], [2.0, 4.0]]), np.array([[-1.0, 0.5], [0.0, 0.0]]))
+    assert sets.biases_for_temperature(0.2).tolist() == [-1.0, 0.5]
+    assert sets.biases_for_temperature(0.9).tolist() == [0.0, 0.0]
+    assert cal.STSSets.of({0.0: [1.0, 2.0]}).biases.tolist() == [[0.0, 0.0]]  # plain STS: zero offsets
+    conf = cal.apply_sts(jnp.array([[2.0, 2.0]]), jnp.asarray(sets.for_temperature(0.0)),
+                         jnp.asarray(sets.biases_for_temperature(0.0)))
+    np.testing.assert_allclose(np.asarray(conf)[0], 1 / (1 + np.exp(-np.array([2 / 0.5 - 1.0, 2 / 1.0 + 0.5]))),
+                               rtol=1e-6)
+    cal.save_sts(tmp_path / "sts.json", sets)
+    obj = json.loads((tmp_path / "sts.json").read_text())
+    assert "biases" in obj["sets"][0] and "biases" not in obj["sets"][1]  # written only where a set has any
+    back = cal.load_sts(tmp_path / "sts.json")
+    assert back.biases.tolist() == [[-1.0, 0.5], [0.0, 0.0]]
+    assert back.temperatures.tolist() == sets.temperatures.tolist()
+    with pytest.raises(ValueError, match="offsets"):
+        cal.STSSets(np.array([0.0]), np.ones((1, 2)), np.ones((1, 3)))
+    (tmp_path / "bad.json").write_text('{"sets": [{"temperature": 0, "temperatures": [1, 2], "biases": [0]}]}')
+    with pytest.raises(ValueError, match=r"sets\[0\]\.biases: expected 2 finite numbers"):
+        cal.load_sts(tmp_path / "bad.json")

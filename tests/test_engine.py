@@ -456,11 +456,13 @@ def test_gate_acceptance_sums_follow_the_drafted_rounds(model, drafter):
 
 
 def test_each_request_uses_the_sts_set_fitted_nearest_its_temperature(model, drafter):
-    """Greedy and sampled requests in one batch: each row's confidences are its own set's calibration."""
+    """Greedy and sampled requests in one batch: each row's confidences are its own set's calibration, the
+    set's logit offsets included."""
     from dspark_jax.calibration import STSSets
     from dspark_jax.engine import SamplingParams
 
-    sets = STSSets.of({0.0: [1.0, 2.0, 0.5, 3.0], 1.0: [4.0, 0.25, 1.5, 8.0]})
+    sets = STSSets(np.array([0.0, 1.0]), np.array([[1.0, 2.0, 0.5, 3.0], [4.0, 0.25, 1.5, 8.0]]),
+                   np.array([[-1.0, 0.5, 0.0, 0.25], [0.0, -0.5, 1.0, 0.0]]))
     e = eng.Engine(model, drafter, "fixed:4", eng.EngineConfig(num_slots=3, capacity=64), sts_temperatures=sets,
                    stop_ids=[])
     e.record_confidences = e.record_tokens = True
@@ -472,7 +474,9 @@ def test_each_request_uses_the_sts_set_fitted_nearest_its_temperature(model, dra
         if st is None or st.confidence_logits is None or not st.drafted:
             continue
         for row, rid in enumerate(st.requests):
-            want = 1 / (1 + np.exp(-st.confidence_logits[row] / sets.for_temperature(temps[int(rid)])))
+            t = temps[int(rid)]
+            want = 1 / (1 + np.exp(-(st.confidence_logits[row] / sets.for_temperature(t)
+                                     + sets.biases_for_temperature(t))))
             np.testing.assert_allclose(st.confidences[row], want, rtol=1e-5, atol=1e-7)
             seen += 1
     assert seen >= 3

@@ -5,7 +5,8 @@
 
 Fits one set of STS temperatures per sampling temperature (``--temperatures``, default 0 and 1: a draft survives
 by the target's argmax at 0 and by rejection sampling above, so the same confidence means a different chance;
-each request then uses the set fitted nearest its own temperature). Writes sts.json, calibration.json and
+each request then uses the set fitted nearest its own temperature), each temperature with a logit offset beside it
+(``--no-offsets``: the paper's temperatures alone). Writes sts.json, calibration.json and
 reliability.png beside the drafter weights, or, with --out FOLDER, a copy
 of the drafter folder with them (what --draft FOLDER then loads). It never writes into the installed package:
 a shipped drafter (or any folder inside the package or site-packages) needs --out elsewhere.
@@ -60,6 +61,9 @@ def main(argv=None):
     p.add_argument("--max-prompt-tokens", type=int, default=640)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0],
                    help="sampling temperatures to fit a set at (each request uses the set fitted nearest its own)")
+    p.add_argument("--offsets", action=argparse.BooleanOptionalAction, default=True,
+                   help="fit a logit offset per position beside each STS temperature (calibration.fit_sts_bias); "
+                        "--no-offsets fits the paper's temperatures alone")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
@@ -74,17 +78,24 @@ def main(argv=None):
     if args.out is None:  # the folder the drafter was actually loaded from, checked again
         out = output_folder(str(path), None)
     prompts = encode_first_turns(model.tokenizer, chosen_per_file, args.max_prompt_tokens)
-    fitted, reports = [], []
+    fitted, offsets, reports = [], [], []
     for t in at:
         rounds, _ = fixed_block_rounds(model, drafter, prompts, max_new_tokens=args.max_new_tokens, mesh=mesh,
                                        temperature=t, concurrency=args.concurrency, seed=args.seed)
         logits, acc, ver = pooled(rounds)
-        fitted.append(calibration.fit_sts(logits, acc, ver))
-        reports.append(evaluate_rounds(rounds, drafter.cfg.block, fitted[-1]))
+        if args.offsets:
+            temps, bias = calibration.fit_sts_bias(logits, acc, ver)
+        else:
+            temps, bias = calibration.fit_sts(logits, acc, ver), np.zeros(drafter.cfg.block, np.float32)
+        fitted.append(temps)
+        offsets.append(bias)
+        reports.append(evaluate_rounds(rounds, drafter.cfg.block, temps, bias if args.offsets else None))
         print(f"T = {t:g}: " + json.dumps({k: reports[-1][k] for k in ("accept_len", "rounds", "ece_raw", "ece_sts",
                                                                        "auroc")}))
         print("  temperatures:", [round(float(x), 3) for x in fitted[-1]])
-    sets = calibration.STSSets(np.asarray(at), np.stack(fitted))
+        if args.offsets:
+            print("  offsets:", [round(float(x), 3) for x in offsets[-1]])
+    sets = calibration.STSSets(np.asarray(at), np.stack(fitted), np.stack(offsets))
     info = [{"rounds": r["rounds"], "prompts": len(prompts), "half": "calib", "model": args.model} for r in reports]
     # calibration.json: the report at the highest temperature at the top (what `drafters.prior_confidence`
     # reads), every temperature's summary under "sets"

@@ -45,8 +45,10 @@ def main(argv=None):
                                         temperature=args.temperature, concurrency=args.concurrency, seed=args.seed,
                                         sts_temperatures=temps)
     # the STS set the engine used at this temperature (a drafter may carry sets fitted at several)
-    used = None if temps is None else STSSets.of(temps).for_temperature(args.temperature)
-    report = evaluate_rounds(rounds, drafter.cfg.block, used)
+    sets = None if temps is None else STSSets.of(temps)
+    used = (None, None) if sets is None else (sets.for_temperature(args.temperature),
+                                              sets.biases_for_temperature(args.temperature))
+    report = evaluate_rounds(rounds, drafter.cfg.block, *used)
     report.update(draft=str(path), model=args.model, prompts=len(prompts), temperature=args.temperature,
                   max_new_tokens=args.max_new_tokens, block=drafter.cfg.block)
     print(f"{path.name}: tau {report['accept_len']:.3f} over {report['rounds']} rounds, "
