@@ -86,9 +86,9 @@ DEFAULT_BLOCK = 7
 # G = 7), so every window the engine uses up to 1024 is measured, not interpolated.
 DEFAULT_CONTEXT_LENGTHS = (120, 248, 504, 1016)
 DEFAULT_MAX_TOKENS = 512
-# The shipped drafter's shape (weights do not change the cost): 2 layers, FFN 1536, Markov rank 256, 8192 draft
-# tokens (tests/test_assets.py checks it against the shipped config).
-SHIPPED_DRAFTER = dict(n_layers=2, ffn_dim=1536, rank=256, draft_vocab_size=8192)
+# The shipped drafter's shape (weights do not change the cost): 3 layers, FFN 1536, Markov rank 256, 8192 draft
+# tokens, its tapped layers normed (tests/test_assets.py checks it against the shipped config).
+SHIPPED_DRAFTER = dict(n_layers=3, ffn_dim=1536, rank=256, draft_vocab_size=8192, tap_norm=True)
 _KNOWN_BACKENDS = ("cpu", "gpu", "tpu")
 # What a table's simple points are (metadata).
 POINTS_NOTE = ("rounds/s = 1 / (draft(R) + verify(R, B) + overhead(drafting, R, B)) at the reference context, "

@@ -267,7 +267,7 @@ def test_calibrate_fits_a_set_per_temperature_and_the_engine_reads_them(setup, m
     calibrate.main(["--draft", str(folder), "--prompts", str(prompts), "--max-new-tokens", "12",
                     "--concurrency", "2", "--temperatures", "1", "0"])
     _, _, sets, _ = drafters.resolve_drafter(str(folder), target_cfg=TARGET)
-    assert sets.at.tolist() == [0.0, 1.0] and sets.temperatures.shape == (2, G)
+    assert sets.at.tolist() == [0.0, 1.0] and sets.temperatures.shape == sets.biases.shape == (2, G)
     report = json.loads((folder / "calibration.json").read_text())
     assert report["temperature"] == 1.0 and [e["temperature"] for e in report["sets"]] == [0.0, 1.0]
     assert report["sets"][1]["temperatures"] == report["temperatures"]
