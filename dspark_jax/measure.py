@@ -55,7 +55,7 @@ from dspark_jax.sharding import (drafter_cache_axes, kv_cache_axes, mesh_of, mes
                                  place_drafter_state, place_target_weights)
 from dspark_jax.sps import (DRAFTER_SHAPE_FIELDS, OVERHEAD_KINDS, CostModel, SPSMetadata, SPSPoint, SPSTable, host_cpu,
                             realistic_rows, round_windows)
-from dspark_jax.timing import Timing, time_call
+from dspark_jax.timing import Timing, interleaved, time_call
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -240,9 +240,10 @@ def verify_batch(*, rows: int, batch_tokens: int, context: int, block: int, voca
 
 
 def _verify_step(weights: LlamaWeights, cfg: LlamaConfig, *, rows: int, batch_tokens: int, context: int,
-                 block: int, window_rule: str, plain: bool):
-    """A thunk running the packed verification :func:`time_verify` times (its cache allocated here, donated and
-    replaced at each call), and a function that frees the cache."""
+                 block: int, window_rule: str, plain: bool, state: dict | None = None):
+    """A thunk running the packed verification :func:`time_verify` times (its cache donated and replaced at
+    each call), and a function that frees the cache. ``state``: a dict holding the cache under ``"cache"``,
+    shared by the thunks of one (rows, context), whose caches have one shape (allocated by the first)."""
     if rows < 1 or batch_tokens < 1 or context < 0:
         raise ValueError(f"rows, batch_tokens >= 1 and context >= 0 expected, got {rows}, {batch_tokens}, {context}")
     batch = verify_batch(rows=rows, batch_tokens=batch_tokens, context=context, block=block,
@@ -255,10 +256,17 @@ def _verify_step(weights: LlamaWeights, cfg: LlamaConfig, *, rows: int, batch_to
     put = _put_like(weights.embed)
     tokens, slots, positions, valid = (put(a) for a in batch)
     row_slots = put(np.arange(rows, dtype=np.int32))  # [R]
-    cache = init_cache(cfg, rows, W, weights.embed.dtype)
-    cache = cache.replace(lengths=jnp.full((rows,), context, jnp.int32))
+
+    def fresh():
+        return init_cache(cfg, rows, W, weights.embed.dtype).replace(lengths=jnp.full((rows,), context, jnp.int32))
+
     mesh = mesh_of(weights.embed)
-    state = {"cache": put(cache) if mesh is None else place(cache, kv_cache_axes(cfg.n_layers), mesh)}
+    state = {} if state is None else state
+    if "cache" not in state:
+        cache = fresh()
+        state["cache"] = put(cache) if mesh is None else place(cache, kv_cache_axes(cfg.n_layers), mesh)
+    elif [a.shape for a in jax.tree.leaves(state["cache"])] != [a.shape for a in jax.tree.leaves(jax.eval_shape(fresh))]:
+        raise ValueError("_verify_step: the shared cache has another shape (rows or window differ)")
 
     def step():
         logits, extras, state["cache"] = forward_packed(weights, state["cache"], tokens, slots, positions, valid,
@@ -378,8 +386,8 @@ def rescaled(tm: Timing, factor: float) -> Timing:
 
 def timed_jobs(jobs: Sequence[Any], run, speed: HostSpeed | None, *, progress: bool = False, desc: str = "profiling",
                label=str, group=None) -> list[Timing]:
-    """``run(job)`` (a :class:`Timing`) for every job, each rescaled to the reference speed of ``speed``
-    (probed before the first job, between jobs and after the last; None: as measured).
+    """``run(job)`` (a :class:`Timing`, or a dict of them) for every job, each rescaled to the reference speed
+    of ``speed`` (probed before the first job, between jobs and after the last; None: as measured).
 
     ``group(job)``: where it changes between two jobs, the compiled programs are dropped
     (``jax.clear_caches``) and the reference program compiled again before its next probe. Every cell
@@ -404,7 +412,8 @@ def timed_jobs(jobs: Sequence[Any], run, speed: HostSpeed | None, *, progress: b
         return out
     last = speed.probe()
     spans = [(b, spans[i + 1] if i + 1 < len(spans) else last) for i, b in enumerate(spans)]
-    return [rescaled(tm, speed.factor(span)) for tm, span in zip(out, spans)]
+    return [{k: rescaled(v, speed.factor(span)) for k, v in tm.items()} if isinstance(tm, dict)
+            else rescaled(tm, speed.factor(span)) for tm, span in zip(out, spans)]
 
 
 @functools.lru_cache(maxsize=8)
@@ -425,6 +434,12 @@ def time_draft(drafter: Drafter, embed: jax.Array, *, rows: int, context: int, w
     """Seconds per drafted block for ``rows`` requests that each hold ``context`` tokens (sampling at
     temperature 1; greedy costs the same: both branches are computed). The drafter cache has ``Wd =
     window(L)`` positions and ``draft`` reads them all (``context=Wd``, as the engine calls it)."""
+    return time_call(_draft_thunk(drafter, embed, rows=rows, context=context, window_rule=window_rule),
+                     repeats=repeats, warmup=warmup, max_seconds=max_seconds)
+
+
+def _draft_thunk(drafter: Drafter, embed: jax.Array, *, rows: int, context: int, window_rule: str):
+    """A thunk running the draft program :func:`time_draft` times."""
     if rows < 1 or context < 0:
         raise ValueError(f"rows >= 1 and context >= 0 expected, got {rows}, {context}")
     cfg = drafter.cfg
@@ -441,18 +456,23 @@ def time_draft(drafter: Drafter, embed: jax.Array, *, rows: int, context: int, w
     else:  # as the engine lays them out: the drafter's weights and cache by the rules, the rest replicated
         args = (place_drafter_state(params, cfg, mesh), place(args[1], drafter_cache_axes(), mesh),
                 *_put_like(embed)(args[2:7]), embed, head_w)
-    return time_call(lambda: run(*args, context=W), repeats=repeats, warmup=warmup, max_seconds=max_seconds)
+    return lambda: run(*args, context=W)
 
 
 def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter | None, *,
                        context_lengths: Sequence[int], batch_tokens: Sequence[int],
                        rows: Sequence[int] | None = None, cells: Sequence[tuple[int, int]] | None = None,
                        block: int = DEFAULT_BLOCK, window_rule: str = "pow2", repeats: int = 5, warmup: int = 1,
-                       max_seconds: float | None = None, speed: HostSpeed | None = None,
+                       max_seconds: float | None = None, min_seconds: float = 1.0, speed: HostSpeed | None = None,
                        progress: bool = False) -> CostModel:
     """Measure a :class:`~dspark_jax.sps.CostModel`: the verification ``cells`` (default: every feasible
     cell, :func:`verify_cells`), a plain round (no drafts) and the drafter at every row count, at every
     context length.
+
+    The programs of one (context, rows) group (the drafter, the plain round, every verification cell) are
+    timed in turns (:func:`~dspark_jax.timing.interleaved`), so a host whose speed drifts moves them alike:
+    the ratios the scheduler and the drafter gate read (a drafting round against a plain one at the same
+    rows) come from side-by-side calls, and :class:`HostSpeed` puts each group at the profile's speed.
 
     Args:
       weights, cfg: the target.
@@ -463,7 +483,9 @@ def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter
       cells: (rows, tokens) pairs to measure; the rows axis becomes the rows they use.
       block: G, drafted tokens per request (verification holds G + 1 per request).
       window_rule: how the engine picks attention windows (``sps.context_window``).
-      repeats, warmup, max_seconds: see ``timing.time_call``.
+      repeats, warmup: timed turns (at least) and untimed calls of each program of a group.
+      min_seconds: a group takes more turns (up to 4 x ``repeats``) until its timed calls add up to this.
+      max_seconds: a group stops taking turns once past it (keeping at least three).
       speed: rescale every measurement to its reference host speed (:class:`HostSpeed`); None: as measured.
       progress: show a progress bar.
     """
@@ -497,34 +519,43 @@ def profile_cost_model(weights: LlamaWeights, cfg: LlamaConfig, drafter: Drafter
     verify_spread = [[[None] * T for _ in range(R)] for _ in range(C)]
     draft_s = [[0.0] * R for _ in range(C)]
     draft_spread = [[0.0] * R for _ in range(C)]
-    jobs = [(c, "draft", r, 0) for c in range(C) for r in rows if drafter is not None]
-    jobs += [(c, "verify", r, t) for c in range(C) for r, t in sorted(cells, key=lambda rt: rt[0] * rt[1])]
-    jobs += [(c, "plain", r, bucket_for(r)) for c in range(C) for r in rows]
-    timing_kw = dict(repeats=repeats, warmup=warmup, max_seconds=max_seconds)
+    members = {r: ([("draft", 0)] if drafter is not None else []) + [("plain", bucket_for(r))]
+               + [("verify", t) for rr, t in sorted(cells) if rr == r] for r in rows}
+    jobs = [(c, r) for c in range(C) for r in rows]
 
     def run(job):
-        c, kind, r, t = job
-        if kind == "draft":
-            return time_draft(drafter, weights.embed, rows=r, context=contexts[c], window_rule=window_rule,
-                              **timing_kw)
-        return time_verify(weights, cfg, rows=r, batch_tokens=t, context=contexts[c], block=block,
-                           window_rule=window_rule, plain=kind == "plain", **timing_kw)
+        c, r = job
+        shared, thunks = {}, {}
+        try:
+            for kind, t in members[r]:
+                if kind == "draft":
+                    thunks[kind, t] = _draft_thunk(drafter, weights.embed, rows=r, context=contexts[c],
+                                                   window_rule=window_rule)
+                else:
+                    thunks[kind, t], _ = _verify_step(weights, cfg, rows=r, batch_tokens=t, context=contexts[c],
+                                                      block=block, window_rule=window_rule, plain=kind == "plain",
+                                                      state=shared)
+            return interleaved(thunks, repeats=repeats, warmup=warmup, min_seconds=min_seconds,
+                               max_seconds=max_seconds)
+        finally:
+            shared.clear()
 
     def label(job):
-        c, kind, r, t = job
-        return f"L={contexts[c]} {kind} R={r}" + (f" T={t}" if kind == "verify" else "")
+        c, r = job
+        return f"L={contexts[c]} R={r}: {len(members[r])} programs"
 
     plain_s = [[0.0] * R for _ in range(C)]
     plain_spread = [[0.0] * R for _ in range(C)]
-    timings = timed_jobs(jobs, run, speed, progress=progress, label=label, group=lambda job: job[:2])
-    for (c, kind, r, t), tm in zip(jobs, timings):
-        if kind == "draft":
-            draft_s[c][r_index[r]], draft_spread[c][r_index[r]] = tm.median, tm.spread
-        elif kind == "plain":
-            plain_s[c][r_index[r]], plain_spread[c][r_index[r]] = tm.median, tm.spread
-        else:
-            verify[c][r_index[r]][t_index[t]] = tm.median
-            verify_spread[c][r_index[r]][t_index[t]] = tm.spread
+    groups = timed_jobs(jobs, run, speed, progress=progress, label=label, group=lambda job: job[0])
+    for (c, r), timings in zip(jobs, groups):
+        for (kind, t), tm in timings.items():
+            if kind == "draft":
+                draft_s[c][r_index[r]], draft_spread[c][r_index[r]] = tm.median, tm.spread
+            elif kind == "plain":
+                plain_s[c][r_index[r]], plain_spread[c][r_index[r]] = tm.median, tm.spread
+            else:
+                verify[c][r_index[r]][t_index[t]] = tm.median
+                verify_spread[c][r_index[r]][t_index[t]] = tm.spread
     return CostModel(block=block, context_step=CONTEXT_STEP, window_rule=window_rule, context_lengths=contexts,
                      windows=[w for w, _ in pairs], draft_windows=[w for _, w in pairs], rows=rows,
                      batch_tokens=batch_tokens, verify_s=verify, verify_spread_s=verify_spread, draft_s=draft_s,
@@ -547,7 +578,8 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
                       rows: Sequence[int] | None = None, diagonal: bool = False, block: int = DEFAULT_BLOCK,
                       window_rule: str = "pow2",
                       drafter: Drafter | None = None, with_drafter: bool = True, repeats: int = 5,
-                      warmup: int = 1, max_seconds: float | None = None, device: jax.Device | None = None,
+                      warmup: int = 1, max_seconds: float | None = None, min_seconds: float = 1.0,
+                      device: jax.Device | None = None,
                       round_overhead: bool = True, overhead_row_count: int | None = None,
                       host_speed: bool = True, progress: bool = False,
                       extra: dict[str, Any] | None = None, mesh: Mesh | None = None) -> SPSTable:
@@ -564,7 +596,7 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
       diagonal: measure one cell per bucket (:func:`diagonal_cells`) instead of every feasible cell.
       drafter: the drafter to time (default: :func:`random_drafter`, the shipped shape); ``with_drafter``
         False records no draft cost.
-      repeats, warmup, max_seconds, progress: as in :func:`profile_cost_model`.
+      repeats, warmup, max_seconds, min_seconds, progress: as in :func:`profile_cost_model`.
       round_overhead: with a drafter, also measure what an engine round costs beyond the programs
         (:func:`profile_round_overhead`, greedy) at the smallest ``overhead_row_count`` row counts
         (default: all of them; the others take the largest one's value).
@@ -596,7 +628,7 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
                  if host_speed else None)
         cost = profile_cost_model(weights, cfg, drafter, context_lengths=contexts, batch_tokens=buckets, rows=rows,
                                   cells=cells, block=block, window_rule=window_rule, repeats=repeats, warmup=warmup,
-                                  max_seconds=max_seconds, speed=speed, progress=progress)
+                                  max_seconds=max_seconds, min_seconds=min_seconds, speed=speed, progress=progress)
         if round_overhead and drafter is not None:
             from dspark_jax.models.llama import LlamaModel
 

@@ -21,7 +21,6 @@ W draft vocabulary, V vocabulary, L context tokens held per request, C cache cap
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,7 +35,7 @@ from dspark_jax.models.drafter import Drafter, draft, draft_head_weights, init_d
 from dspark_jax.models.llama import (BUCKETS, LayerWeights, LlamaConfig, LlamaModel, LlamaWeights, bucket_for,
                                      context_bucket, decode_step, forward_packed, grid_bucket, init_cache,
                                      logits_from_hidden, rms_norm)
-from dspark_jax.timing import Timing
+from dspark_jax.timing import interleaved
 
 __all__ = ["interleaved", "round_stage_rows", "target_step_rows", "weights_only_forward"]
 
@@ -77,48 +76,6 @@ def weights_only_forward(weights: LlamaWeights, tokens: jax.Array, cfg: LlamaCon
     for lw in weights.layers:
         x = layer(x, lw)
     return logits_from_hidden(weights, rms_norm(x, weights.final_norm, cfg.norm_eps))
-
-
-def interleaved(thunks: dict[str, Callable[[], Any]], *, repeats: int = 5, warmup: int = 1,
-                burst: int = 1) -> dict[str, Timing]:
-    """Time several thunks in turns (a, b, c, a, b, c, ...), blocking on each result.
-
-    Warm-up calls (compilation) are excluded. Taking turns, a host whose speed drifts slows every thunk
-    alike, so ratios between them are sound even where absolute times are not. With ``burst`` > 1 each turn
-    calls its thunk ``burst`` times and times the last call only: the thunk then runs with its data in the
-    caches, as a program the engine runs round after round does, not evicted by the other thunks.
-
-    Args:
-        thunks: name -> a function of no arguments returning arrays.
-        repeats: timed calls of each thunk (at least 1).
-        warmup: untimed calls of each thunk first.
-        burst: calls per turn, the last one timed (at least 1).
-    Returns:
-        name -> `Timing` (median, quartiles) in seconds.
-
-    >>> t = interleaved({"a": lambda: jnp.ones(3), "b": lambda: jnp.zeros(3)}, repeats=3)
-    >>> sorted(t), t["a"].repeats
-    (['a', 'b'], 3)
-    """
-    if repeats < 1 or warmup < 0 or burst < 1:
-        raise ValueError(f"interleaved: repeats >= 1, warmup >= 0 and burst >= 1 expected, got {repeats}, "
-                         f"{warmup} and {burst}")
-    for fn in thunks.values():
-        for _ in range(warmup):
-            jax.block_until_ready(fn())
-    samples: dict[str, list[float]] = {name: [] for name in thunks}
-    for _ in range(repeats):
-        for name, fn in thunks.items():
-            for _ in range(burst - 1):
-                jax.block_until_ready(fn())
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            samples[name].append(time.perf_counter() - t0)
-    out = {}
-    for name, s in samples.items():
-        a = np.asarray(s)
-        out[name] = Timing(float(np.median(a)), float(np.percentile(a, 25)), float(np.percentile(a, 75)), len(a))
-    return out
 
 
 def _floor_thunk(weights: LlamaWeights, cfg: LlamaConfig, tokens: int) -> Callable[[], jax.Array]:

@@ -16,7 +16,7 @@ import numpy as np
 
 from dspark_jax.io import atomic_write_text
 
-__all__ = ["Timing", "time_call", "device_info", "write_json", "format_table", "compile_count"]
+__all__ = ["Timing", "time_call", "interleaved", "device_info", "write_json", "format_table", "compile_count"]
 
 _COMPILES = [0]
 
@@ -70,6 +70,62 @@ def time_call(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1, inner
             break
     s = np.asarray(samples)
     return Timing(float(np.median(s)), float(np.percentile(s, 25)), float(np.percentile(s, 75)), len(s))
+
+
+def interleaved(thunks: dict[Any, Callable[[], Any]], *, repeats: int = 5, warmup: int = 1, burst: int = 1,
+                min_seconds: float = 0.0, max_repeats: int | None = None,
+                max_seconds: float | None = None) -> dict[Any, Timing]:
+    """Time several thunks in turns (a, b, c, a, b, c, ...), blocking on each result.
+
+    Warm-up calls (compilation) are excluded. Taking turns, a host whose speed drifts slows every thunk
+    alike, so ratios between them are sound even where absolute times are not. With ``burst`` > 1 each turn
+    calls its thunk ``burst`` times and times the last call only: the thunk then runs with its data in the
+    caches, as a program the engine runs round after round does, not evicted by the other thunks.
+
+    Args:
+        thunks: name -> a function of no arguments returning arrays.
+        repeats: timed calls of each thunk (at least 1).
+        warmup: untimed calls of each thunk first.
+        burst: calls per turn, the last one timed (at least 1).
+        min_seconds: go on taking turns past ``repeats`` until the timed calls add up to this many seconds
+          (fast programs: a handful of calls of a few milliseconds is mostly the host's jitter) ...
+        max_repeats: ... but stop at this many turns (default: ``4 * repeats``).
+        max_seconds: stop after the turn that passes this many seconds of timed calls (keeping at least
+          ``min(repeats, 3)`` turns), so that slow programs do not blow a time budget.
+    Returns:
+        name -> `Timing` (median, quartiles) in seconds.
+
+    >>> t = interleaved({"a": lambda: jax.numpy.ones(3), "b": lambda: jax.numpy.zeros(3)}, repeats=3)
+    >>> sorted(t), t["a"].repeats
+    (['a', 'b'], 3)
+    """
+    max_repeats = 4 * repeats if max_repeats is None else max_repeats
+    if repeats < 1 or warmup < 0 or burst < 1 or min_seconds < 0 or max_repeats < repeats:
+        raise ValueError(f"interleaved: repeats >= 1, warmup >= 0, burst >= 1, min_seconds >= 0 and "
+                         f"max_repeats >= repeats expected, got {repeats}, {warmup}, {burst}, {min_seconds} and "
+                         f"{max_repeats}")
+    for fn in thunks.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    samples: dict[Any, list[float]] = {name: [] for name in thunks}
+    spent, turns = 0.0, 0
+    while turns < repeats or (spent < min_seconds and turns < max_repeats):
+        if max_seconds is not None and turns >= min(repeats, 3) and spent > max_seconds:
+            break
+        for name, fn in thunks.items():
+            for _ in range(burst - 1):
+                jax.block_until_ready(fn())
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            dt = time.perf_counter() - t0
+            samples[name].append(dt)
+            spent += dt
+        turns += 1
+    out = {}
+    for name, s in samples.items():
+        a = np.asarray(s)
+        out[name] = Timing(float(np.median(a)), float(np.percentile(a, 25)), float(np.percentile(a, 75)), len(a))
+    return out
 
 
 def device_info() -> dict[str, str]:

@@ -47,6 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--rows", type=int, nargs="+", help="row buckets (default: powers of two up to max-tokens / 8)")
     p.add_argument("--repeats", type=int, help="timed calls per cell (default 5; --quick 2)")
     p.add_argument("--max-seconds", type=float, help="stop repeating a cell after this long (>= 3 repeats)")
+    p.add_argument("--min-seconds", type=float,
+                   help="the programs of one (context, rows) group, timed in turns, take more turns (up to 4 x "
+                        "--repeats) until their timed calls add up to this (default 1; --quick 0)")
     p.add_argument("--block", type=int, default=measure.DEFAULT_BLOCK, help="drafted tokens per request G")
     p.add_argument("--window-rule", choices=("pow2", "step"), default="step",
                    help="attention windows: multiples of 128 (the engine default) or powers of two from 128")
@@ -177,6 +180,8 @@ def main(argv=None):
     contexts = args.context_lengths or (measure.DEFAULT_CONTEXT_LENGTHS[:1] if args.quick
                                         else measure.DEFAULT_CONTEXT_LENGTHS)
     repeats = args.repeats or (2 if args.quick else 5)
+    if args.min_seconds is not None and args.min_seconds < 0:
+        raise ValueError(f"--min-seconds {args.min_seconds}: expected a number of seconds >= 0")
     buckets = measure.token_buckets(max_tokens)
     if args.quick:
         buckets = tuple(sorted({b for b in buckets if b in QUICK_BUCKETS} | {buckets[-1]}))
@@ -214,6 +219,7 @@ def main(argv=None):
         window_rule=args.window_rule, with_drafter=not args.no_drafter, round_overhead=False,
         host_speed=not args.no_host_speed,
         repeats=repeats, max_seconds=args.max_seconds, device=device,
+        min_seconds=args.min_seconds if args.min_seconds is not None else (0.0 if args.quick else 1.0),
         progress=True, extra={"quick": args.quick}, batch_tokens=buckets, mesh=mesh)
     table.save(out)  # the programs' costs are kept even if the overhead measurement below fails
     drift = table.metadata.extra.get("host_drift")

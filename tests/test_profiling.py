@@ -339,6 +339,29 @@ def test_timed_calls_do_not_compile(monkeypatch):
     assert counts == [0, 0]
 
 
+def test_profile_times_the_programs_of_each_group_in_turns(monkeypatch):
+    """Every (context, rows) group's programs (drafter, plain round, each verification cell of those rows) are
+    timed together in turns, so the ratios between them hold on a drifting host; every cell gets its time."""
+    groups = []
+    real = measure.interleaved
+
+    def spy(thunks, **kw):
+        groups.append(sorted(thunks))
+        return real(thunks, **kw)
+
+    monkeypatch.setattr(measure, "interleaved", spy)
+    cfg = LlamaConfig.tiny()
+    from dspark_jax.models.llama import init_random_weights
+
+    w = jax.device_put(init_random_weights(cfg, jax.random.key(1)), jax.devices()[0])
+    cm = measure.profile_cost_model(w, cfg, measure.random_drafter(cfg), context_lengths=(120,), batch_tokens=(8, 16),
+                                    rows=(1, 2), repeats=2, min_seconds=0.0)
+    assert groups == [[("draft", 0), ("plain", 1), ("verify", 8)],
+                      [("draft", 0), ("plain", 2), ("verify", 8), ("verify", 16)]]
+    assert cm.verify_s[0][0][0] > 0 and cm.verify_s[0][0][1] is None and min(cm.verify_s[0][1]) > 0
+    assert min(cm.plain_s[0]) > 0 and min(cm.draft_s[0]) > 0
+
+
 def test_programs_read_from_the_persistent_cache_count():
     """The suite runs with a persistent compilation cache (conftest). A program read back from it after the
     in-memory caches were dropped was not compiled, but the block needed it: `compile_count` (JAX's backend

@@ -2,6 +2,8 @@
 and the target-step and round-stage tables on a tiny model (their structure and ratios; timings themselves
 are not checked: the host is shared)."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,6 +61,21 @@ def test_interleaved_takes_turns_and_counts():
     assert calls == ["a", "a", "b", "b", "c", "c"] * 2  # each turn a burst, the last call timed
     with pytest.raises(ValueError, match="repeats >= 1"):
         stages.interleaved(thunks, repeats=0)
+
+
+def test_interleaved_takes_more_turns_for_fast_programs_within_its_budgets():
+    """``min_seconds`` adds turns (up to ``max_repeats``) where the timed calls are short; ``max_seconds`` stops
+    a slow group early, keeping three turns. Each thunk sleeps 10 ms, so every bound below is exact."""
+    sleepy = {n: (lambda: time.sleep(0.01) or jnp.zeros(())) for n in ("a", "b")}
+    assert {t.repeats for t in stages.interleaved(sleepy, repeats=2, warmup=0).values()} == {2}
+    got = stages.interleaved(sleepy, repeats=2, warmup=0, min_seconds=5.0, max_repeats=6)
+    assert {t.repeats for t in got.values()} == {6}  # 6 turns of ~20 ms stay far below 5 s
+    got = stages.interleaved(sleepy, repeats=10, warmup=0, max_seconds=0.05)
+    assert {t.repeats for t in got.values()} == {3}  # past 50 ms after three turns of >= 20 ms
+    with pytest.raises(ValueError, match="max_repeats >= repeats"):
+        stages.interleaved(sleepy, repeats=4, max_repeats=2)
+    with pytest.raises(ValueError, match="min_seconds >= 0"):
+        stages.interleaved(sleepy, min_seconds=-1.0)
 
 
 def test_target_step_rows_pair_each_step_with_the_floor(tiny):
