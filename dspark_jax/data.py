@@ -3,12 +3,13 @@
 Stage 1 (`dspark_jax.datagen`): the target answers the training prompts itself, several times each, into
 resumable shards of token ids.
 
-Stage 2 (`build_target_cache`): one teacher-forced pass over every sequence (prompt + response) stores, per
-token, the raw outputs of the tapped layers in bfloat16 (the residual stream can hold large values), the final
-normed hidden state in float16 (small values, more mantissa), and the float32 log-partition of the target
-logits computed from that stored float16 state, so the recomputed target distribution sums to one. Full-vocabulary logits are never stored: the target's probabilities on
-any token set are ``exp(h @ E[ids].T - lse)`` from the frozen LM head. Shards are written atomically and
-skipped on restart.
+Stage 2 (`build_target_cache`): one teacher-forced pass over every sequence (prompt + response; the samples of
+one prompt share the prompt's pass) stores, per token, the raw outputs of the tapped layers in bfloat16 (the
+residual stream can hold large values), the final normed hidden state in float16 (small values, more mantissa),
+and the float32 log-partition of the target logits computed from that stored float16 state, so the recomputed
+target distribution sums to one. Full-vocabulary logits are never stored: the target's probabilities on any
+token set are ``exp(h @ E[ids].T - lse)`` from the frozen LM head. Shards are written atomically and skipped on
+restart.
 
 Stage 3 (`BlockLoader`): batches of blocks for training, bucketed by sequence length, with anchors sampled
 uniformly without replacement among positions where the anchor and the next token are both assistant tokens
@@ -30,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from dspark_jax.io import atomic_write_file, atomic_write_text
+from dspark_jax.models.llama import logits_from_hidden
 
 BF16 = ml_dtypes.bfloat16
 
@@ -186,14 +188,15 @@ def build_target_cache(model, chunks: dict[str, Sequence[dict]], out_dir: str | 
                        progress: bool = True) -> Path:
     """Teacher-forced pass over every sequence; one shard per generated chunk,
     ``<chunk>.{tokens,taps,final,lse}.npy``, plus ``index.json``. Resumable and incremental: shards already
-    written are kept, so it can follow a generation run that is still adding chunks."""
-    from tqdm import tqdm
+    written are kept, so it can follow a generation run that is still adding chunks.
 
-    from dspark_jax.models.llama import logits_from_hidden
+    The samples of one prompt (consecutive records with the same prompt) share its pass: the prompt is
+    prefilled once and each answer continues from a copy of that cache, so a prompt answered five times costs
+    one pass, not five (the stored rows are those of a whole-sequence pass, up to float rounding)."""
+    from tqdm import tqdm
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    lse_fn = jax.jit(lambda w, h: jax.nn.logsumexp(logits_from_hidden(w, h), axis=-1))
     bar = tqdm(total=sum(len(c) for c in chunks.values()), desc="target cache", unit="seq", disable=not progress)
     entries = []
     for name, shard in chunks.items():
@@ -206,20 +209,13 @@ def build_target_cache(model, chunks: dict[str, Sequence[dict]], out_dir: str | 
             bar.update(len(shard))
             continue
         toks, taps, finals, lses = [], [], [], []
-        for s in shard:
-            ids = list(s["prompt_ids"]) + list(s["output_ids"])
-            n = len(ids)
-            # Padded to a multiple of 64 tokens so that the ops below compile once per padded length, not once
-            # per sequence length; attention is causal, so the padding changes none of the first n rows.
-            padded = -(-n // 64) * 64
-            cache = model.init_cache(1, -(-padded // 256) * 256)
-            _, extras, _ = model.prefill(cache, ids + [0] * (padded - n), 0, return_extras=True)
-            toks.append(np.asarray(ids, np.int32))
-            taps.append(np.asarray(extras.taps.astype(jnp.bfloat16))[:n])
-            final = extras.final_hidden.astype(jnp.float16)  # [padded, D]
-            finals.append(np.asarray(final)[:n])
-            lses.append(np.asarray(lse_fn(model.weights, final.astype(jnp.float32)), np.float32)[:n])
-            bar.update(1)
+        for group in _prompt_groups(shard):
+            for ids, (tap, final, lse) in zip(*_group_pass(model, group)):
+                toks.append(np.asarray(ids, np.int32))
+                taps.append(tap)
+                finals.append(final)
+                lses.append(lse)
+                bar.update(1)
         arrays = {"tokens": np.concatenate(toks), "taps": np.concatenate(taps).view(np.uint16),
                   "final": np.concatenate(finals), "lse": np.concatenate(lses)}
         for name, arr in arrays.items():
@@ -228,6 +224,61 @@ def build_target_cache(model, chunks: dict[str, Sequence[dict]], out_dir: str | 
     index = {"shards": entries, "tap_layers": list(model.cfg.tap_layers), "dim": model.cfg.dim}
     atomic_write_text(out_dir / "index.json", json.dumps(index) + "\n")
     return out_dir
+
+
+def _prompt_groups(shard: Sequence[dict]) -> list[list[dict]]:
+    """Runs of consecutive records with the same prompt tokens, in order."""
+    groups: list[list[dict]] = []
+    for s in shard:
+        if groups and list(groups[-1][0]["prompt_ids"]) == list(s["prompt_ids"]):
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
+
+
+def _pad64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+@jax.jit
+def _log_partition(weights, final):
+    """float32 [n] log-partition of the target logits from float16 final states [n, D]."""
+    return jax.nn.logsumexp(logits_from_hidden(weights, final.astype(jnp.float32)), axis=-1)
+
+
+def _rows(model, extras, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The first ``n`` rows of a pass's (taps bfloat16, final float16, lse float32)."""
+    final = extras.final_hidden.astype(jnp.float16)
+    return (np.asarray(extras.taps.astype(jnp.bfloat16))[:n], np.asarray(final)[:n],
+            np.asarray(_log_partition(model.weights, final), np.float32)[:n])
+
+
+def _group_pass(model, group: Sequence[dict]):
+    """The rows of every sequence of a group sharing one prompt: (token ids per sequence, (taps, final, lse)
+    per sequence). The prompt's pass is made once; each answer continues from a copy of its cache.
+
+    Prompt and answers are padded to multiples of 64 tokens, so that the programs compile once per padded
+    length, not once per sequence length; attention is causal, so padding changes none of the real rows, and
+    the prompt's padded positions are overwritten by each answer's first chunk (at least 64 tokens) before
+    any real position reads them."""
+    prompt = list(group[0]["prompt_ids"])
+    n_p = len(prompt)
+    pad_p = _pad64(n_p)
+    capacity = -(-(pad_p + max(_pad64(len(s["output_ids"])) for s in group)) // 256) * 256
+    _, extras, cache = model.prefill(model.init_cache(1, capacity), prompt + [0] * (pad_p - n_p), 0,
+                                     return_extras=True)
+    head = _rows(model, extras, n_p)
+    ids_out, rows_out = [], []
+    for i, s in enumerate(group):
+        answer = list(s["output_ids"])
+        n_a = len(answer)
+        start = cache if i == len(group) - 1 else jax.tree.map(jnp.copy, cache)  # prefill donates its cache
+        _, extras, _ = model.prefill(start, answer + [0] * (_pad64(n_a) - n_a), 0, start=n_p, return_extras=True)
+        tail = _rows(model, extras, n_a)
+        ids_out.append(prompt + answer)
+        rows_out.append(tuple(np.concatenate([a, b]) for a, b in zip(head, tail)))
+    return ids_out, rows_out
 
 
 def open_target_cache(cache_dir: str | os.PathLike) -> TargetCache:
