@@ -170,16 +170,19 @@ class EngineConfig:
     calibrate_times: bool = True
     # The dspark policies learn where drafting never pays on this hardware: once the gate's estimate has
     # stayed below its bar (drafting not expected to pay by `1 + gate_margin`; probes aside) for this many consecutive
-    # request-rounds at one load (row bucket: 1, 2, 3-4, 5-8, ... active requests), the drafter is switched
-    # off at that load: the active requests drop their context (the rounds become plain decoding's own
-    # programs at once) and requests joining at that load are admitted without one. Evidence is counted in
-    # request-rounds, so a busy engine decides sooner (512: 512 rounds at one user, 16 at 32 users). After
+    # request-rounds at one load (row bucket: 1, 2, 3-4, 5-8, ... active requests), over at least
+    # `drafter_off_requests` distinct requests, the drafter is switched off at that load: the active requests
+    # drop their context (the rounds become plain decoding's own programs at once) and requests joining at that
+    # load are admitted without one. Evidence is counted in request-rounds, so a busy engine decides within a
+    # few rounds (128 at 16 users: 8 rounds), and over distinct requests, so an idle one needs several answers'
+    # evidence (8 answers at one user), never one long answer that happens not to draft well. After
     # `drafter_off_retry` rounds with the drafter off at that load, joining requests get the context again
     # and, once the requests without one have finished, the gate looks afresh (the traffic, and so the
     # drafts' acceptance, may have changed; counted in rounds so that the wait for those requests to finish,
     # a few hundred rounds, stays a small share). A gate that opens on its estimate at a load resets that
     # load's count. None: never (the gate alone decides, every request keeps its context).
-    drafter_off_after: int | None = 512
+    drafter_off_after: int | None = 128
+    drafter_off_requests: int = 8
     drafter_off_retry: int = 2048
     # The dspark policies: extend each round's schedule with the next-ranked drafts up to the padded batch
     # the verification runs anyway (`scheduler.fill_to_bucket`, lossless), and let the drafter gate price a
@@ -208,7 +211,8 @@ class EngineConfig:
 
 _GATE_FIELDS = {  # EngineConfig field -> gate.GateConfig field
     "gate_probe_every": "probe_every", "gate_probe_budget": "probe_budget", "gate_margin": "margin",
-    "fill_buckets": "fill", "drafter_off_after": "off_after", "drafter_off_retry": "off_retry",
+    "fill_buckets": "fill", "drafter_off_after": "off_after", "drafter_off_requests": "off_requests",
+    "drafter_off_retry": "off_retry",
     "calibrate_times": "calibrate_times",
 }
 
@@ -825,7 +829,7 @@ class Engine:
         self._gate_closed = not bool(next_gate)
         if self._may_drop_context:
             self.cutoff, off = gate.cutoff_update(self.cutoff, self.gate_cfg, R, n, n - int(np.sum(finished[:n])),
-                                                  float(gain), drafting)
+                                                  float(gain), drafting, requests=self.slot_request[active_slots])
             if off:  # the active requests drop their context: plain decoding's programs from the next round
                 self.slot_context[:] = False
                 self.drafter_offs.append((len(self.rounds), R))

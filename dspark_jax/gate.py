@@ -60,7 +60,9 @@ class GateConfig:
       fill: price the drafting round at the padded batch with the schedule filled to it
         (`scheduler.fill_to_bucket`), as the engine runs it.
       off_after: request-rounds in a row below the bar at one load before the drafter is switched off there
-        (integer >= 1; None: never).
+        (integer >= 1; None: never) ...
+      off_requests: ... seen over at least this many distinct requests (integer >= 1), so that a busy engine
+        decides within a few rounds while an idle one needs several answers' evidence, not one long answer's.
       off_retry: rounds with the drafter off at a load before it is tried there again (integer >= 1).
       calibrate_times: fold measured round times into the cost model's (`observe_round`); False ignores them.
       request_ema: weight of the newest drafted round in a request's survival average, in (0, 1].
@@ -81,7 +83,8 @@ class GateConfig:
     probe_budget: float = 0.02
     margin: float = 0.05
     fill: bool = True
-    off_after: int | None = 512
+    off_after: int | None = 128
+    off_requests: int = 8
     off_retry: int = 2048
     calibrate_times: bool = True
     request_ema: float = 0.2
@@ -103,6 +106,8 @@ class GateConfig:
             raise ValueError(f"fill: expected True or False, got {self.fill!r}")
         if self.off_after is not None and not (_is_int(self.off_after) and self.off_after >= 1):
             raise ValueError(f"off_after: expected None or a number of request-rounds >= 1, got {self.off_after!r}")
+        if not (_is_int(self.off_requests) and self.off_requests >= 1):
+            raise ValueError(f"off_requests: expected an integer >= 1, got {self.off_requests!r}")
         if not (_is_int(self.off_retry) and self.off_retry >= 1):
             raise ValueError(f"off_retry: expected an integer >= 1, got {self.off_retry!r}")
         if not isinstance(self.calibrate_times, (bool, np.bool_)):
@@ -261,49 +266,60 @@ def conditional(survival):
 
 class CutOff(NamedTuple):
     """The learned cut-off (host side): per row bucket, request-rounds in a row with the gate's estimate
-    below its bar, and the buckets where the drafter is off with the rounds run there since. Never mutated:
-    `cutoff_update` returns a new one."""
+    below its bar and the distinct requests seen in them (up to ``off_requests``), and the buckets where the
+    drafter is off with the rounds run there since. Never mutated: `cutoff_update` returns a new one."""
 
     below_bar: dict[int, int] = {}
     off_rounds: dict[int, int] = {}
+    streak_requests: dict[int, frozenset] = {}
 
 
 def cutoff_update(cut: CutOff, config: GateConfig, bucket: int, n: int, left: int, gain: float,
-                  drafting: bool) -> tuple[CutOff, bool]:
+                  drafting: bool, requests=None) -> tuple[CutOff, bool]:
     """Count a round of ``n`` requests at row bucket ``bucket`` (``left`` of them still active after it).
 
     Where the drafter is off at ``bucket``, a round without it counts towards ``off_retry``; at the retry
     the bucket is forgotten (requests joining there get the drafter again). Elsewhere the gate's ``gain``
     (nan when it did not look) counts: above ``1 + margin`` it resets the bucket's count, below it adds
-    ``n`` request-rounds, and reaching ``off_after`` switches the drafter off there.
+    ``n`` request-rounds and the round's ``requests`` (their ids), and reaching ``off_after`` request-rounds
+    over ``off_requests`` distinct requests switches the drafter off there. ``requests`` None: the ids are
+    not known, request-rounds alone count.
 
     Returns:
       (the new `CutOff`, whether the drafter was switched off at ``bucket`` by this round).
 
-    >>> cfg = GateConfig(off_after=4)
-    >>> cut, off = cutoff_update(CutOff(), cfg, 2, 2, 2, 0.5, True)
-    >>> cut, off = cutoff_update(cut, cfg, 2, 2, 2, 0.5, True)
+    >>> cfg = GateConfig(off_after=4, off_requests=3)
+    >>> cut, off = cutoff_update(CutOff(), cfg, 2, 2, 2, 0.5, True, requests=[7, 8])
+    >>> cut, off = cutoff_update(cut, cfg, 2, 2, 2, 0.5, True, requests=[7, 8])
+    >>> off  # four request-rounds, but two requests
+    False
+    >>> cut, off = cutoff_update(cut, cfg, 2, 2, 2, 0.5, True, requests=[7, 9])
     >>> off, drafter_off(cut, 2), drafter_off(cut, 1)
     (True, True, False)
     """
-    below, off = dict(cut.below_bar), dict(cut.off_rounds)
+    below, off, seen = dict(cut.below_bar), dict(cut.off_rounds), dict(cut.streak_requests)
     if bucket in off:
         if not drafting:
             off[bucket] += 1
             if off[bucket] >= config.off_retry:
                 del off[bucket]  # requests joining at this load get the drafter's context again
                 below.pop(bucket, None)
-        return CutOff(below, off), False
+                seen.pop(bucket, None)
+        return CutOff(below, off, seen), False
     if config.off_after is None or not math.isfinite(gain) or left == 0:  # never, or the gate looked at nobody
         return cut, False
     if gain > 1.0 + config.margin:
         below[bucket] = 0
-        return CutOff(below, off), False
+        seen[bucket] = frozenset()
+        return CutOff(below, off, seen), False
     below[bucket] = below.get(bucket, 0) + n
-    if below[bucket] >= config.off_after:
+    streak = seen.get(bucket, frozenset())
+    if requests is not None and len(streak) < config.off_requests:
+        seen[bucket] = streak = streak | {int(r) for r in requests}
+    if below[bucket] >= config.off_after and (requests is None or len(streak) >= config.off_requests):
         off[bucket] = 0
-        return CutOff(below, off), True
-    return CutOff(below, off), False
+        return CutOff(below, off, seen), True
+    return CutOff(below, off, seen), False
 
 
 def drafter_off(cut: CutOff, bucket: int) -> bool:

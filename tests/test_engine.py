@@ -327,7 +327,7 @@ def test_the_drafter_is_switched_off_where_the_gate_stays_shut(model, drafter, m
     ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
     for draft_cost in (1.0, 0.0):
         cfg = eng.EngineConfig(num_slots=3, capacity=64, gate_probe_every=1000, calibrate_times=False,
-                               drafter_off_after=6)
+                               drafter_off_after=6, drafter_off_requests=3)
         e = eng.Engine(model, drafter, "dspark", cfg, sps=synthetic_cost_table(draft_cost=draft_cost), stop_ids=[])
         if draft_cost:
             e.warm_up(max_prompt_tokens=20)  # compiles plain decoding's programs too
@@ -351,13 +351,27 @@ def test_the_drafter_is_switched_off_where_the_gate_stays_shut(model, drafter, m
             assert any(r.drafted for r in e.rounds)
 
 
+def test_the_cut_off_waits_for_evidence_from_enough_requests(model, drafter):
+    """drafter_off_requests: with 3 slots and 4 distinct requests asked for, the drafter that never pays is
+    switched off only in a round with a request of the second wave (ids, not slots, are counted)."""
+    ps = prompts(6, seed=6)
+    ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
+    cfg = eng.EngineConfig(num_slots=3, capacity=64, gate_probe_every=1000, calibrate_times=False,
+                           drafter_off_after=6, drafter_off_requests=4)
+    e = eng.Engine(model, drafter, "dspark", cfg, sps=synthetic_cost_table(draft_cost=1.0), stop_ids=[])
+    assert [c.output_ids for c in e.run(ps, 10)] == [r.output_ids for r in ref]
+    (at, bucket), = e.drafter_offs
+    first_finish = next(i for i, r in enumerate(e.rounds) if r.finished)
+    assert at > first_finish and bucket == 3, (e.drafter_offs, first_finish)
+
+
 def test_a_switched_off_drafter_is_tried_again(model, drafter):
     """After drafter_off_retry rounds with the drafter off at a load, requests joining there get the context
     again and the gate looks afresh (and, the drafter never paying, switches it off again)."""
     ps = prompts(6, seed=8)
     ref, _ = plain_generate(model, ps, 6, 0.0, num_slots=1, stop_ids=[], capacity=64)
     cfg = eng.EngineConfig(num_slots=1, capacity=64, gate_probe_every=1000, calibrate_times=False,
-                           drafter_off_after=3, drafter_off_retry=6)
+                           drafter_off_after=3, drafter_off_requests=1, drafter_off_retry=6)
     e = eng.Engine(model, drafter, "dspark", cfg, sps=synthetic_cost_table(draft_cost=1.0), stop_ids=[])
     assert [c.output_ids for c in e.run(ps, 6)] == [r.output_ids for r in ref]
     # one request at a time, 5 rounds each: off after 3 rounds, on again for a request joining 6 rounds later

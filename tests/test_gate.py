@@ -19,7 +19,7 @@ G = 4
 @pytest.mark.parametrize("field, bad", [
     ("probe_every", 0), ("probe_every", 2.5), ("probe_budget", 0.0), ("probe_budget", float("nan")),
     ("margin", -0.1), ("margin", float("nan")), ("margin", float("inf")), ("fill", 1), ("off_after", 0),
-    ("off_after", 2.5), ("off_retry", 0), ("calibrate_times", None), ("request_ema", 0.0), ("global_ema", 1.5),
+    ("off_after", 2.5), ("off_requests", 0), ("off_requests", 1.5), ("off_retry", 0), ("calibrate_times", None), ("request_ema", 0.0), ("global_ema", 1.5),
     ("accept_decay", -1.0), ("time_ema", float("nan")), ("accept_prior", 0.0),
 ])
 def test_config_is_validated_where_declared(field, bad):
@@ -30,12 +30,12 @@ def test_config_is_validated_where_declared(field, bad):
 def test_engine_config_names_its_own_fields():
     """EngineConfig builds the gate's config and reports a bad value under the field the caller set."""
     cfg = EngineConfig(gate_probe_every=3, gate_probe_budget=0.5, gate_margin=0.1, fill_buckets=False,
-                       drafter_off_after=None, drafter_off_retry=7, calibrate_times=False)
+                       drafter_off_after=None, drafter_off_requests=2, drafter_off_retry=7, calibrate_times=False)
     assert cfg.gate_config() == gate.GateConfig(probe_every=3, probe_budget=0.5, margin=0.1, fill=False,
-                                                off_after=None, off_retry=7, calibrate_times=False)
+                                                off_after=None, off_requests=2, off_retry=7, calibrate_times=False)
     hash(cfg.gate_config())  # hashable: a static argument of jit
     for field, bad in (("gate_margin", -1.0), ("gate_probe_every", 0), ("gate_probe_budget", 0.0),
-                       ("drafter_off_after", 0), ("drafter_off_retry", 0)):
+                       ("drafter_off_after", 0), ("drafter_off_requests", 0), ("drafter_off_retry", 0)):
         with pytest.raises(ValueError, match=f"^{field}: expected"):
             EngineConfig(**{field: bad})
 
@@ -173,6 +173,35 @@ def test_cutoff_counts_request_rounds_per_bucket_and_retries():
     assert not gate.drafter_off(cut, 4) and 4 not in cut.below_bar and cut.below_bar == {2: 0}
     never = gate.GateConfig(off_after=None)
     assert gate.cutoff_update(gate.CutOff(), never, 1, 100, 100, 0.0, True) == (gate.CutOff(), False)
+
+
+def test_cutoff_needs_evidence_from_distinct_requests():
+    """One long answer below the bar is not enough at one user: the request-rounds must come from
+    ``off_requests`` distinct requests; a busy engine sees them in its first round. An estimate above the bar
+    forgets the requests seen with the count."""
+    cfg = gate.GateConfig(off_after=4, off_requests=3)
+    cut = gate.CutOff()
+    for _ in range(10):  # one user, one request: 10 request-rounds, never off
+        cut, off = gate.cutoff_update(cut, cfg, 1, 1, 1, 0.5, True, requests=[5])
+        assert not off
+    cut, off = gate.cutoff_update(cut, cfg, 1, 1, 1, 0.5, True, requests=[6])
+    assert not off and cut.streak_requests[1] == {5, 6}
+    cut, off = gate.cutoff_update(cut, cfg, 1, 1, 1, 2.0, True, requests=[6])  # opens: all forgotten
+    assert cut.below_bar[1] == 0 and cut.streak_requests[1] == frozenset()
+    for rid in (6, 7):
+        cut, off = gate.cutoff_update(cut, cfg, 1, 1, 1, 0.5, True, requests=[rid])
+        assert not off
+    cut, off = gate.cutoff_update(cut, cfg, 1, 1, 1, 0.5, True, requests=[8])
+    assert not off  # three requests, three request-rounds
+    cut, off = gate.cutoff_update(cut, cfg, 1, 1, 1, 0.5, True, requests=[8])
+    assert off and gate.drafter_off(cut, 1)
+    busy, off = gate.cutoff_update(gate.CutOff(), cfg, 4, 4, 4, 0.5, True, requests=np.arange(4))
+    assert off  # four requests in one round
+    busy, off = gate.cutoff_update(gate.CutOff(), cfg, 4, 4, 4, 0.5, True)  # ids unknown: request-rounds alone
+    assert off
+    for _ in range(cfg.off_retry):  # the retry forgets the bucket's requests too
+        cut, _ = gate.cutoff_update(cut, cfg, 1, 1, 1, math.nan, False)
+    assert 1 not in cut.streak_requests and not gate.drafter_off(cut, 1)
 
 
 def _observe(times, n, drafted, seconds, cfg=gate.GateConfig()):
