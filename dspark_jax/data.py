@@ -191,8 +191,9 @@ def build_target_cache(model, chunks: dict[str, Sequence[dict]], out_dir: str | 
     written are kept, so it can follow a generation run that is still adding chunks.
 
     The samples of one prompt (consecutive records with the same prompt) share its pass: the prompt is
-    prefilled once and each answer continues from a copy of that cache, so a prompt answered five times costs
-    one pass, not five (the stored rows are those of a whole-sequence pass, up to float rounding)."""
+    prefilled once and each answer continues from a copy of that cache, so the prompt of a prompt answered five
+    times is run once, not five times (the stored rows are those of a whole-sequence pass, up to float
+    rounding). Every record needs a prompt and an answer of at least one token each."""
     from tqdm import tqdm
 
     out_dir = Path(out_dir)
@@ -264,6 +265,10 @@ def _group_pass(model, group: Sequence[dict]):
     any real position reads them."""
     prompt = list(group[0]["prompt_ids"])
     n_p = len(prompt)
+    for s in group:
+        if not n_p or not len(s["output_ids"]):
+            raise ValueError(f"build_target_cache: record {s.get('index')} (sample {s.get('sample')}) has "
+                             f"{n_p} prompt and {len(s['output_ids'])} answer tokens; expected at least one each")
     pad_p = _pad64(n_p)
     capacity = -(-(pad_p + max(_pad64(len(s["output_ids"])) for s in group)) // 256) * 256
     _, extras, cache = model.prefill(model.init_cache(1, capacity), prompt + [0] * (pad_p - n_p), 0,

@@ -10,7 +10,8 @@ verification accepted per predicted draft recently. Three pieces, each an explic
   average), `update` (the bookkeeping after a round) and `decide` (open the gate or not; a closed gate still
   probes now and then, since the averages move only in drafted rounds);
 - on the host, `CutOff`: per load (row bucket), the request-rounds in a row whose estimate stayed below the
-  bar; past `GateConfig.off_after` the drafter is switched off at that load, and tried again after
+  bar, each request counting at most its share; past `GateConfig.off_after` of them from at least
+  `GateConfig.off_requests` requests the drafter is switched off at that load, and tried again after
   `GateConfig.off_retry` rounds (`cutoff_update`, `drafter_off`);
 - on the host, `RoundTimes`: the measured correction of the cost model's drafting and plain round times
   (`observe_round`, `time_scale`), which `decide` reads as ``time_scale`` [2].
@@ -61,8 +62,9 @@ class GateConfig:
         (`scheduler.fill_to_bucket`), as the engine runs it.
       off_after: request-rounds in a row below the bar at one load before the drafter is switched off there
         (integer >= 1; None: never) ...
-      off_requests: ... seen over at least this many distinct requests (integer >= 1), so that a busy engine
-        decides within a few rounds while an idle one needs several answers' evidence, not one long answer's.
+      off_requests: ... from at least this many distinct requests, each counting at most
+        ``ceil(off_after / off_requests)`` of its rounds (integer >= 1): a busy engine decides within a few
+        rounds, an idle one needs several answers' evidence, never one long answer's.
       off_retry: rounds with the drafter off at a load before it is tried there again (integer >= 1).
       calibrate_times: fold measured round times into the cost model's (`observe_round`); False ignores them.
       request_ema: weight of the newest drafted round in a request's survival average, in (0, 1].
@@ -266,12 +268,13 @@ def conditional(survival):
 
 class CutOff(NamedTuple):
     """The learned cut-off (host side): per row bucket, request-rounds in a row with the gate's estimate
-    below its bar and the distinct requests seen in them (up to ``off_requests``), and the buckets where the
-    drafter is off with the rounds run there since. Never mutated: `cutoff_update` returns a new one."""
+    below its bar, the rounds each request counted in them (at most its share, `cutoff_update`), and the
+    buckets where the drafter is off with the rounds run there since. Never mutated: `cutoff_update` returns
+    a new one."""
 
     below_bar: dict[int, int] = {}
     off_rounds: dict[int, int] = {}
-    streak_requests: dict[int, frozenset] = {}
+    streak_requests: dict[int, dict[int, int]] = {}
 
 
 def cutoff_update(cut: CutOff, config: GateConfig, bucket: int, n: int, left: int, gain: float,
@@ -281,20 +284,23 @@ def cutoff_update(cut: CutOff, config: GateConfig, bucket: int, n: int, left: in
     Where the drafter is off at ``bucket``, a round without it counts towards ``off_retry``; at the retry
     the bucket is forgotten (requests joining there get the drafter again). Elsewhere the gate's ``gain``
     (nan when it did not look) counts: above ``1 + margin`` it resets the bucket's count, below it adds
-    ``n`` request-rounds and the round's ``requests`` (their ids), and reaching ``off_after`` request-rounds
-    over ``off_requests`` distinct requests switches the drafter off there. ``requests`` None: the ids are
-    not known, request-rounds alone count.
+    ``n`` request-rounds, one for each of the round's ``requests`` (their ids) up to a request's share
+    ``ceil(off_after / off_requests)``; ``off_after`` of those, from at least ``off_requests`` distinct
+    requests, switch the drafter off there. ``requests`` None: the ids are not known, the ``n``
+    request-rounds alone count.
 
     Returns:
       (the new `CutOff`, whether the drafter was switched off at ``bucket`` by this round).
 
-    >>> cfg = GateConfig(off_after=4, off_requests=3)
-    >>> cut, off = cutoff_update(CutOff(), cfg, 2, 2, 2, 0.5, True, requests=[7, 8])
-    >>> cut, off = cutoff_update(cut, cfg, 2, 2, 2, 0.5, True, requests=[7, 8])
-    >>> off  # four request-rounds, but two requests
-    False
-    >>> cut, off = cutoff_update(cut, cfg, 2, 2, 2, 0.5, True, requests=[7, 9])
-    >>> off, drafter_off(cut, 2), drafter_off(cut, 1)
+    >>> cfg = GateConfig(off_after=4, off_requests=2)
+    >>> cut = CutOff()
+    >>> for _ in range(5):  # one long answer: it counts two request-rounds at most
+    ...     cut, off = cutoff_update(cut, cfg, 1, 1, 1, 0.5, True, requests=[7])
+    >>> off, cut.below_bar[1], cut.streak_requests[1]
+    (False, 5, {7: 2})
+    >>> cut, off = cutoff_update(cut, cfg, 1, 1, 1, 0.5, True, requests=[8])
+    >>> cut, off = cutoff_update(cut, cfg, 1, 1, 1, 0.5, True, requests=[8])
+    >>> off, drafter_off(cut, 1), drafter_off(cut, 2)
     (True, True, False)
     """
     below, off, seen = dict(cut.below_bar), dict(cut.off_rounds), dict(cut.streak_requests)
@@ -310,13 +316,19 @@ def cutoff_update(cut: CutOff, config: GateConfig, bucket: int, n: int, left: in
         return cut, False
     if gain > 1.0 + config.margin:
         below[bucket] = 0
-        seen[bucket] = frozenset()
+        seen[bucket] = {}
         return CutOff(below, off, seen), False
     below[bucket] = below.get(bucket, 0) + n
-    streak = seen.get(bucket, frozenset())
-    if requests is not None and len(streak) < config.off_requests:
-        seen[bucket] = streak = streak | {int(r) for r in requests}
-    if below[bucket] >= config.off_after and (requests is None or len(streak) >= config.off_requests):
+    if requests is None:
+        enough = below[bucket] >= config.off_after
+    else:
+        share = -(-config.off_after // config.off_requests)
+        counted = dict(seen.get(bucket, {}))
+        for r in requests:
+            counted[int(r)] = min(counted.get(int(r), 0) + 1, share)
+        seen[bucket] = counted
+        enough = sum(counted.values()) >= config.off_after and len(counted) >= config.off_requests
+    if enough:
         off[bucket] = 0
         return CutOff(below, off, seen), True
     return CutOff(below, off, seen), False

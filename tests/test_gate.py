@@ -176,28 +176,32 @@ def test_cutoff_counts_request_rounds_per_bucket_and_retries():
 
 
 def test_cutoff_needs_evidence_from_distinct_requests():
-    """One long answer below the bar is not enough at one user: the request-rounds must come from
-    ``off_requests`` distinct requests; a busy engine sees them in its first round. An estimate above the bar
-    forgets the requests seen with the count."""
-    cfg = gate.GateConfig(off_after=4, off_requests=3)
+    """One long answer below the bar is not enough at one user: each request counts at most its share
+    (ceil(off_after / off_requests) rounds) and ``off_requests`` distinct requests must be seen; a busy engine
+    sees them in its first rounds. An estimate above the bar forgets the requests with the count."""
+    cfg = gate.GateConfig(off_after=6, off_requests=3)  # a request's share: 2 request-rounds
     cut = gate.CutOff()
-    for _ in range(10):  # one user, one request: 10 request-rounds, never off
+    for _ in range(10):  # one user, one long answer: 10 request-rounds, 2 of them count
         cut, off = gate.cutoff_update(cut, cfg, 1, 1, 1, 0.5, True, requests=[5])
         assert not off
-    cut, off = gate.cutoff_update(cut, cfg, 1, 1, 1, 0.5, True, requests=[6])
-    assert not off and cut.streak_requests[1] == {5, 6}
-    cut, off = gate.cutoff_update(cut, cfg, 1, 1, 1, 2.0, True, requests=[6])  # opens: all forgotten
-    assert cut.below_bar[1] == 0 and cut.streak_requests[1] == frozenset()
-    for rid in (6, 7):
+    for rid in (6, 7):  # three requests, 2 + 1 + 1 counted: not enough (uncapped, 12 would be)
         cut, off = gate.cutoff_update(cut, cfg, 1, 1, 1, 0.5, True, requests=[rid])
         assert not off
-    cut, off = gate.cutoff_update(cut, cfg, 1, 1, 1, 0.5, True, requests=[8])
-    assert not off  # three requests, three request-rounds
-    cut, off = gate.cutoff_update(cut, cfg, 1, 1, 1, 0.5, True, requests=[8])
+    assert cut.streak_requests[1] == {5: 2, 6: 1, 7: 1} and cut.below_bar[1] == 12
+    cut, off = gate.cutoff_update(cut, cfg, 1, 1, 1, 2.0, True, requests=[7])  # opens: all forgotten
+    assert cut.below_bar[1] == 0 and cut.streak_requests[1] == {}
+    for rid in (7, 7, 8, 8, 9):
+        cut, off = gate.cutoff_update(cut, cfg, 1, 1, 1, 0.5, True, requests=[rid])
+        assert not off
+    cut, off = gate.cutoff_update(cut, cfg, 1, 1, 1, 0.5, True, requests=[9])  # 2 + 2 + 2 from 3 requests
     assert off and gate.drafter_off(cut, 1)
     busy, off = gate.cutoff_update(gate.CutOff(), cfg, 4, 4, 4, 0.5, True, requests=np.arange(4))
-    assert off  # four requests in one round
-    busy, off = gate.cutoff_update(gate.CutOff(), cfg, 4, 4, 4, 0.5, True)  # ids unknown: request-rounds alone
+    assert not off  # four request-rounds
+    busy, off = gate.cutoff_update(busy, cfg, 4, 4, 4, 0.5, True, requests=np.arange(4))
+    assert off  # eight, from four requests
+    many, off = gate.cutoff_update(gate.CutOff(), cfg, 8, 8, 8, 0.5, True, requests=np.arange(8))
+    assert off  # a busy engine: its first round
+    unknown, off = gate.cutoff_update(gate.CutOff(), cfg, 4, 6, 6, 0.5, True)  # ids unknown: request-rounds alone
     assert off
     for _ in range(cfg.off_retry):  # the retry forgets the bucket's requests too
         cut, _ = gate.cutoff_update(cut, cfg, 1, 1, 1, math.nan, False)

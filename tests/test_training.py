@@ -285,30 +285,40 @@ def test_target_cache_build_is_incremental_and_consistent(tmp_path):
 def test_target_cache_shares_a_prompt_pass_without_changing_rows(tmp_path):
     """Samples of one prompt share its pass; every stored row is the whole sequence's own pass, whatever the
     prompt and answer lengths (padding inside a chunk, answers crossing chunk boundaries)."""
-    from dspark_jax.models.llama import LlamaModel
+    from dspark_jax.models.llama import LlamaModel, logits_from_hidden
 
     w = init_random_weights(TARGET, jax.random.key(4), scale=0.3)
     model = LlamaModel(TARGET, w, None)
     rng = np.random.default_rng(1)
     prompt = rng.integers(1, 64, 70).tolist()  # pads to 128: its padded rows are overwritten by each answer
-    answers = [rng.integers(1, 64, n).tolist() for n in (3, 65, 130)]
+    answers = [rng.integers(1, 64, n).tolist() for n in (3, 65, 130, 300)]  # 300: a second chunk
     other = rng.integers(1, 64, 9).tolist()
     recs = [{"index": 0, "domain": "x", "prompt_ids": prompt, "output_ids": a} for a in answers]
     recs.append({"index": 1, "domain": "x", "prompt_ids": other, "output_ids": answers[0]})
-    assert [len(g) for g in data._prompt_groups(recs)] == [3, 1]
+    assert [len(g) for g in data._prompt_groups(recs)] == [4, 1]
+    prefills = []
+    real = model.prefill
+    model.prefill = lambda *a, **k: prefills.append(len(a[1])) or real(*a, **k)
     data.build_target_cache(model, {"chunk_00000": recs}, tmp_path, progress=False)
+    model.prefill = real
+    assert sorted(prefills) == sorted([128, 64, 128, 192, 320, 64, 64])  # the prompt's pass once per group
     cache = data.open_target_cache(tmp_path)
-    assert list(cache.lengths) == [73, 135, 200, 12]
+    assert list(cache.lengths) == [73, 135, 200, 370, 12]
     for i, r in enumerate(recs):
         ids = r["prompt_ids"] + r["output_ids"]
         n = len(ids)
-        _, ex, _ = model.prefill(model.init_cache(1, 256), ids, 0, return_extras=True)
+        _, ex, _ = model.prefill(model.init_cache(1, 512), ids, 0, return_extras=True)
         off = int(cache.offsets[i])
         np.testing.assert_array_equal(cache.tokens[off:off + n], ids)
         np.testing.assert_allclose(cache.final[off:off + n].astype(np.float32), np.asarray(ex.final_hidden),
                                    rtol=2e-3, atol=2e-3)  # float16 storage
         np.testing.assert_allclose(cache.taps[off:off + n].astype(np.float32),
                                    np.asarray(ex.taps), rtol=1e-2, atol=1e-2)  # bfloat16 storage
+        want_lse = jax.nn.logsumexp(logits_from_hidden(w, jnp.asarray(cache.final[off:off + n], jnp.float32)), -1)
+        np.testing.assert_allclose(cache.lse[off:off + n], np.asarray(want_lse), rtol=1e-5)
+    with pytest.raises(ValueError, match="record 1 .* 0 answer tokens; expected at least one each"):
+        data.build_target_cache(model, {"chunk_00001": [dict(recs[-1], output_ids=[])]}, tmp_path / "bad",
+                                progress=False)
 
 
 def test_pack_drafter_carries_side_files_and_shrinks_storage(tmp_path, monkeypatch):
