@@ -173,9 +173,10 @@ class EngineConfig:
     # request-rounds at one load (row bucket: 1, 2, 3-4, 5-8, ... active requests), from at least
     # `drafter_off_requests` distinct requests each counting at most its share (`gate.cutoff_update`), the
     # drafter is switched off at that load: the active requests drop their context (the rounds become plain
-    # decoding's own programs at once) and requests joining at that load are admitted without one. Evidence is counted in request-rounds, so a busy engine decides within a
-    # few rounds (128 at 16 users: 8 rounds), and over distinct requests, so an idle one needs several answers'
-    # evidence (8 answers at one user), never one long answer that happens not to draft well. After
+    # decoding's own programs at once) and requests joining at that load are admitted without one. Evidence is
+    # counted in request-rounds, so a busy engine decides within a few rounds (128 at 16 users: 8 rounds), and
+    # over distinct requests, so an idle one needs several answers' evidence (8 answers at one user), never one
+    # long answer that happens not to draft well. After
     # `drafter_off_retry` rounds with the drafter off at that load, joining requests get the context again
     # and, once the requests without one have finished, the gate looks afresh (the traffic, and so the
     # drafts' acceptance, may have changed; counted in rounds so that the wait for those requests to finish,

@@ -19,7 +19,8 @@ G = 4
 @pytest.mark.parametrize("field, bad", [
     ("probe_every", 0), ("probe_every", 2.5), ("probe_budget", 0.0), ("probe_budget", float("nan")),
     ("margin", -0.1), ("margin", float("nan")), ("margin", float("inf")), ("fill", 1), ("off_after", 0),
-    ("off_after", 2.5), ("off_requests", 0), ("off_requests", 1.5), ("off_retry", 0), ("calibrate_times", None), ("request_ema", 0.0), ("global_ema", 1.5),
+    ("off_after", 2.5), ("off_requests", 0), ("off_requests", 1.5), ("off_retry", 0), ("calibrate_times", None),
+    ("request_ema", 0.0), ("global_ema", 1.5),
     ("accept_decay", -1.0), ("time_ema", float("nan")), ("accept_prior", 0.0),
 ])
 def test_config_is_validated_where_declared(field, bad):

@@ -282,7 +282,7 @@ def test_target_cache_build_is_incremental_and_consistent(tmp_path):
         np.testing.assert_array_equal(getattr(a, f.name), getattr(b, f.name))
 
 
-def test_target_cache_shares_a_prompt_pass_without_changing_rows(tmp_path):
+def test_target_cache_shares_a_prompt_pass_without_changing_rows(tmp_path, monkeypatch):
     """Samples of one prompt share its pass; every stored row is the whole sequence's own pass, whatever the
     prompt and answer lengths (padding inside a chunk, answers crossing chunk boundaries)."""
     from dspark_jax.models.llama import LlamaModel, logits_from_hidden
@@ -298,9 +298,9 @@ def test_target_cache_shares_a_prompt_pass_without_changing_rows(tmp_path):
     assert [len(g) for g in data._prompt_groups(recs)] == [4, 1]
     prefills = []
     real = model.prefill
-    model.prefill = lambda *a, **k: prefills.append(len(a[1])) or real(*a, **k)
+    monkeypatch.setattr(model, "prefill", lambda *a, **k: prefills.append(len(a[1])) or real(*a, **k))
     data.build_target_cache(model, {"chunk_00000": recs}, tmp_path, progress=False)
-    model.prefill = real
+    monkeypatch.undo()
     assert sorted(prefills) == sorted([128, 64, 128, 192, 320, 64, 64])  # the prompt's pass once per group
     cache = data.open_target_cache(tmp_path)
     assert list(cache.lengths) == [73, 135, 200, 370, 12]
