@@ -4,6 +4,9 @@ The stages' own commands are tested in their own files; here they are stand-ins 
 """
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -99,6 +102,29 @@ def test_an_interrupted_run_resumes_at_its_stage(tmp_path):
     calls3 = []
     pipeline.run(args, fake_mains(calls3), log=lambda m: None)
     assert calls3 == []  # everything finished
+
+
+def test_sigterm_unwinds_and_records_the_stage_time(tmp_path):
+    args = args_for(tmp_path)
+    mains = fake_mains([])
+
+    def slow_cache(argv):  # killed half a second into the cache stage
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # not reached: the handler raises in this frame
+        raise AssertionError("SIGTERM did not interrupt the stage")
+
+    mains["build_cache"] = slow_cache
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        pipeline.exit_on_sigterm()
+        with pytest.raises(SystemExit) as e:
+            pipeline.run(args, mains, log=lambda m: None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert e.value.code == 128 + signal.SIGTERM
+    stages = json.loads((Path(args.out) / pipeline.RECORD).read_text())["stages"]
+    assert not stages["cache"]["finished"] and stages["cache"]["seconds"] >= 0.5
 
 
 def test_eval_reports_on_disk_are_not_recomputed(tmp_path):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -250,10 +251,19 @@ def run(args: argparse.Namespace, mains: dict | None = None, log: Callable[[str]
     return record
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (``kill``, a scheduler's stop) unwind like Ctrl-C: the stage in progress records its seconds
+    and the next run resumes it. Without this the process dies at once and the stage's time is lost."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     p = build_parser()
     args = p.parse_args(argv)
     check_inputs(args, p)
+    exit_on_sigterm()
     return run(args)
 
 
