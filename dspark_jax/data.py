@@ -342,23 +342,43 @@ class BlockBatch:
     lse: np.ndarray
 
 
+def default_buckets(longest: int) -> tuple[int, ...]:
+    """Training context buckets that hold a sequence of ``longest`` tokens: 256, 512, 1024, then steps of
+    512 (a sequence of a 1024-token prompt and a 512-token answer lands in 1536, not in a 2048 padded a third
+    empty).
+
+    >>> default_buckets(300), default_buckets(1536), default_buckets(1537)
+    ((256, 512, 1024), (256, 512, 1024, 1536), (256, 512, 1024, 1536, 2048))
+    """
+    out = [256, 512, 1024]
+    while out[-1] < longest:
+        out.append(out[-1] + 512)
+    return tuple(out)
+
+
 class BlockLoader:
     """Batches of training blocks from a `TargetCache`.
 
     Sequences are bucketed by length into ``buckets`` (context lengths S); a batch holds
     ``context_tokens // S`` sequences of one bucket and ``blocks // N`` blocks per sequence, so every
-    step has about the same cost and each bucket compiles once. Sequences longer than the largest bucket
-    are skipped.
+    step has about the same cost and each bucket compiles once. The default buckets (`default_buckets`)
+    hold the cache's longest sequence; with explicit ones, sequences longer than the largest are skipped
+    (`skipped` counts them).
     """
 
-    def __init__(self, cache: TargetCache, *, block: int, buckets: Sequence[int] = (256, 512, 1024),
+    def __init__(self, cache: TargetCache, *, block: int, buckets: Sequence[int] | None = None,
                  context_tokens: int = 2048, blocks: int = 256, seed: int = 0,
                  sequence_ids: Sequence[int] | None = None):
         self.cache, self.block, self.seed = cache, block, seed
+        if buckets is None:
+            buckets = default_buckets(int(cache.lengths.max(initial=1)))
         self.buckets = tuple(sorted(buckets))
         ids = np.arange(cache.num_sequences) if sequence_ids is None else np.asarray(sequence_ids)
         # A sequence needs at least one anchor: two assistant tokens.
-        ids = ids[(cache.lengths[ids] - cache.prompt_lengths[ids] >= 2) & (cache.lengths[ids] <= self.buckets[-1])]
+        ids = ids[cache.lengths[ids] - cache.prompt_lengths[ids] >= 2]
+        fits = cache.lengths[ids] <= self.buckets[-1]
+        self.skipped = int(np.sum(~fits))  # sequences longer than the largest bucket
+        ids = ids[fits]
         if len(ids) == 0:
             raise ValueError("no usable sequences (need two assistant tokens and a length within the buckets)")
         which = np.searchsorted(self.buckets, cache.lengths[ids], side="left")

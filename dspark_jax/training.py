@@ -100,7 +100,9 @@ def block_loss(drafter: Drafter, batch: dict[str, jax.Array], embed: jax.Array, 
         return jnp.sum(x * ww) / jnp.maximum(jnp.sum(ww), 1e-6)
 
     terms = {"ce": mean(ce, w_ce), "l1": mean(l1, w), "conf": mean(bce, w), "kl": mean(soft_ce, w)}
-    loss = loss_cfg.ce * terms["ce"] + loss_cfg.l1 * terms["l1"] + loss_cfg.kl * terms["kl"]
+    loss = loss_cfg.ce * terms["ce"] + loss_cfg.l1 * terms["l1"]
+    if loss_cfg.kl:  # at weight 0 the term is a metric only: no gradient pass over [N, B, G, W] for it
+        loss = loss + loss_cfg.kl * terms["kl"]
     if cfg.confidence:
         loss = loss + loss_cfg.conf * terms["conf"]
     denom = jnp.maximum(jnp.sum(valid, axis=(0, 1)), 1.0)

@@ -81,7 +81,7 @@ def test_heads_from_a_dflash_drafter_on_its_frozen_backbone(setup, monkeypatch):
     s = setup
     # One bucket that fits the fake sequences keeps the test to one compiled step.
     loader = data.BlockLoader
-    monkeypatch.setattr(data, "BlockLoader", lambda cache, **kw: loader(cache, buckets=(32,), **kw))
+    monkeypatch.setattr(data, "BlockLoader", lambda cache, **kw: loader(cache, **{**kw, "buckets": (32,)}))
     args = run_args(s, "--init-from", str(s.src), "--train", "heads", "--rank", "4", "--steps", "3")
     train_drafter.main(args)
     export = s.tmp / "run" / "export"
@@ -110,7 +110,7 @@ def test_validate_only_scores_a_drafter_on_the_blocks_training_logged(setup, mon
     a DFlash drafter is scored as itself (no heads added), and nothing is trained (no training cache is read)."""
     s = setup
     loader = data.BlockLoader
-    monkeypatch.setattr(data, "BlockLoader", lambda cache, **kw: loader(cache, buckets=(32,), **kw))
+    monkeypatch.setattr(data, "BlockLoader", lambda cache, **kw: loader(cache, **{**kw, "buckets": (32,)}))
     train_drafter.main(run_args(s, "--layers", "1", "--ffn", "16", "--rank", "4", "--steps", "2",
                                 "--val-cache", s.cache, "--val-every", "2"))
     rows = [json.loads(x) for x in (s.tmp / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -131,7 +131,7 @@ def test_init_layers_start_from_the_target_layers(setup, monkeypatch):
     the target's layers do not have stops before training."""
     s = setup
     loader = data.BlockLoader
-    monkeypatch.setattr(data, "BlockLoader", lambda cache, **kw: loader(cache, buckets=(32,), **kw))
+    monkeypatch.setattr(data, "BlockLoader", lambda cache, **kw: loader(cache, **{**kw, "buckets": (32,)}))
     captured = {}
 
     def capture(drafter, *a, **k):
@@ -287,3 +287,7 @@ def test_a_run_started_before_a_config_field_existed_resumes(tmp_path):
     train_drafter.check_resume(tmp_path, record)
     with pytest.raises(ValueError, match="config differ"):
         train_drafter.check_resume(tmp_path, {**record, "config": {**cfg.to_dict(), "tap_norm": True}})
+    # a run from before the bucket field used (256, 512, 1024): the same resumes, a longer set is refused
+    train_drafter.check_resume(tmp_path, {**record, "buckets": [256, 512, 1024]})
+    with pytest.raises(ValueError, match="buckets differ"):
+        train_drafter.check_resume(tmp_path, {**record, "buckets": [256, 512, 1024, 1536]})

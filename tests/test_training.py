@@ -67,6 +67,19 @@ def test_loader_blocks_follow_the_spec():
         assert len(set(rows.tolist())) == len(rows)
 
 
+def test_default_buckets_hold_every_sequence_and_explicit_ones_count_what_they_skip():
+    _, cache = fake_cache()
+    lengths = cache.lengths.copy()
+    lengths[0] = 1100  # one sequence past 1024 tokens: the default buckets grow by 512 to hold it
+    long = dataclasses.replace(cache, lengths=lengths)
+    every = data.BlockLoader(long, block=G, context_tokens=4096, blocks=8)
+    assert every.buckets == (256, 512, 1024, 1536) and every.skipped == 0
+    assert 0 in every.groups[1536]
+    capped = data.BlockLoader(long, block=G, buckets=(256, 512, 1024), context_tokens=4096, blocks=8)
+    assert capped.skipped == 1 and all(0 not in g for g in capped.groups.values())
+    assert capped.num_tokens == every.num_tokens - 1100
+
+
 def numpy_loss(d, batch, w_embed, loss_cfg):
     """Loss terms recomputed in NumPy from the drafter's logits and the stored target state."""
     head_w = dr.draft_head_weights(d, w_embed)

@@ -52,11 +52,14 @@ def check_cache_fits(cache: data.TargetCache, cache_dir: str, target_cfg) -> Non
 # Held-out blocks are drawn with one fixed shape and seed, whatever the training batch's: runs with other
 # --blocks, --context-tokens or --seed are then compared on the same blocks (8 batches of 8192 context tokens
 # hold 2048 blocks from 64 to 256 sequences).
-VAL_BLOCKS, VAL_CONTEXT_TOKENS = 256, 8192
+# Their buckets are fixed too, at the lengths every held-out figure so far was read on (sequences past 1024
+# tokens are left out of them), where training batches use every sequence (`data.default_buckets`).
+VAL_BLOCKS, VAL_CONTEXT_TOKENS, VAL_BUCKETS = 256, 8192, (256, 512, 1024)
 
 
 def held_out_loader(val_cache, block: int) -> data.BlockLoader:
-    return data.BlockLoader(val_cache, block=block, blocks=VAL_BLOCKS, context_tokens=VAL_CONTEXT_TOKENS, seed=0)
+    return data.BlockLoader(val_cache, block=block, blocks=VAL_BLOCKS, context_tokens=VAL_CONTEXT_TOKENS,
+                            buckets=VAL_BUCKETS, seed=0)
 
 
 def init_source(args: argparse.Namespace, target) -> tuple[Drafter, Path]:
@@ -91,6 +94,8 @@ def check_resume(run: Path, record: dict) -> None:
     old = json.loads(path.read_text())
     if isinstance(old.get("config"), dict):  # fields added to the config since have their defaults there
         old["config"] = DrafterConfig.from_dict(old["config"]).to_dict()
+    fixed = {"buckets": [256, 512, 1024]}  # the buckets of every run recorded before the field
+    old, record = {**fixed, **old}, {**fixed, **record}
     diff = sorted(k for k in set(old) | set(record) if old.get(k) != record.get(k))
     if diff:
         raise ValueError(f"--run {run}: holds checkpoints of another configuration ({', '.join(diff)} differ: "
@@ -224,18 +229,20 @@ def main(argv=None):
               **({"init_layers": args.init_layers, "init_context": not args.no_init_context}
                  if args.init_layers is not None else {}),
               "lr": args.lr, "blocks": args.blocks, "context_tokens": args.context_tokens}
+    loader = data.BlockLoader(cache, block=cfg.block, blocks=args.blocks, context_tokens=args.context_tokens,
+                              seed=args.seed)
+    record["buckets"] = list(loader.buckets)
     check_resume(run, record)
     run.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run / "run.json", json.dumps(record, indent=1) + "\n")
 
     trainable = heads.trainable_filter(args.train, cfg)
-    loader = data.BlockLoader(cache, block=cfg.block, blocks=args.blocks, context_tokens=args.context_tokens,
-                              seed=args.seed)
     n_params, n_train = heads.count_params(drafter), heads.count_params(drafter, trainable)
     print(f"{args.kind}: {n_train / 1e6:.2f}M of {n_params / 1e6:.2f}M parameters trained (--train {args.train}"
           + (f", from {source}, new: {', '.join(fresh) or 'none'}" if source is not None else "")
           + f"), draft vocabulary {len(vocab)} ({covered:.2%} of sampled assistant tokens), {loader.num_tokens} tokens "
-          f"in {cache.num_sequences} sequences")
+          f"in {cache.num_sequences - loader.skipped} of {cache.num_sequences} sequences, context buckets "
+          f"{loader.buckets}")
     tc = training.TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed, val_every=args.val_every)
     val_loader = None if val_cache is None else held_out_loader(val_cache, cfg.block)
     t0 = time.perf_counter()
