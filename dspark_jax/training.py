@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 
 from dspark_jax.models.drafter import Drafter, draft_head_weights
+from dspark_jax.models.llama import first_argmax
 from dspark_jax.io import atomic_write_text
 
 __all__ = ["LossConfig", "block_loss", "TrainConfig", "make_optimizer", "train", "validate", "replicate",
@@ -107,7 +108,7 @@ def block_loss(drafter: Drafter, batch: dict[str, jax.Array], embed: jax.Array, 
         loss = loss + loss_cfg.conf * terms["conf"]
     denom = jnp.maximum(jnp.sum(valid, axis=(0, 1)), 1.0)
     metrics = dict(terms, c_star=jnp.sum(c_star * valid, axis=(0, 1)) / denom,
-                   top1=jnp.sum((jnp.argmax(logits, -1) == label_idx) * valid, axis=(0, 1)) / denom)
+                   top1=jnp.sum((first_argmax(logits) == label_idx) * valid, axis=(0, 1)) / denom)
     return loss, metrics
 
 

@@ -88,6 +88,43 @@ def test_attention_mask_golden():
     np.testing.assert_allclose(out[0, 0], np.asarray(x[0, 0]) + p @ vals, rtol=1e-5, atol=1e-5)
 
 
+def test_grouped_heads_attend_as_one_softmax_over_context_and_block():
+    """Several query heads per key head (K = 2, Q = 2), against NumPy: one softmax per query over the visible
+    context and the whole block, with a block that sees no context; its gradient stays finite."""
+    cfg = dr.DrafterConfig(vocab_size=8, dim=8, n_taps=1, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=4,
+                           ffn_dim=8, block=3, head="none", confidence=False)
+    layer = dr.DraftLayer(cfg, rngs=nnx.Rngs(1))
+    for lin in (layer.w_gate, layer.w_up, layer.w_down):
+        lin.kernel[...] = jnp.zeros(lin.kernel[...].shape)
+    rng = np.random.default_rng(0)
+    N, B, G, S, K, Q, E = 2, 2, 3, 5, 2, 2, 4
+    x = jnp.asarray(rng.normal(size=(N, B, G, 8)), jnp.float32)
+    zeros = jnp.zeros((N, B, G), jnp.int32)  # position 0: RoPE is the identity
+    ctx_k, ctx_v = (jnp.asarray(rng.normal(size=(N, S, K, E)), jnp.float32) for _ in range(2))
+    mask = jnp.asarray(rng.random((N, B, S)) < 0.6).at[1, 0].set(False)
+    out = np.asarray(layer(x, zeros, ctx_k, ctx_v, mask))
+    xn = np.asarray(x) / np.sqrt(np.mean(np.asarray(x) ** 2, -1, keepdims=True) + 1e-5)
+    w = {n: np.asarray(getattr(layer, n).kernel[...]) for n in ("wq", "wk", "wv", "wo")}
+    q, kb, vb = (xn @ w["wq"]).reshape(N, B, G, K * Q, E), (xn @ w["wk"]).reshape(N, B, G, K, E), (
+        xn @ w["wv"]).reshape(N, B, G, K, E)
+    want = np.zeros((N, B, G, K * Q, E))
+    for n in range(N):
+        for b in range(B):
+            seen = np.asarray(mask[n, b])
+            for h in range(K * Q):
+                k = h // Q
+                keys = np.concatenate([np.asarray(ctx_k[n, seen, k]), kb[n, b, :, k]])
+                vals = np.concatenate([np.asarray(ctx_v[n, seen, k]), vb[n, b, :, k]])
+                sc = q[n, b, :, h] @ keys.T / np.sqrt(E)
+                p = np.exp(sc - sc.max(-1, keepdims=True))
+                want[n, b, :, h] = (p / p.sum(-1, keepdims=True)) @ vals
+    want = np.asarray(x) + want.reshape(N, B, G, K * Q * E) @ w["wo"]
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+    grads = jax.grad(lambda kk, vv: jnp.sum(jnp.sin(layer(x, zeros, kk, vv, mask))), argnums=(0, 1))(ctx_k, ctx_v)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+    np.testing.assert_array_equal(np.asarray(grads[0])[1, ~np.asarray(mask[1]).any(0)], 0.0)  # unseen: no gradient
+
+
 @pytest.mark.parametrize("head", ["markov", "rnn", "none"])
 def test_teacher_forced_equals_sampled_path(target, head):
     d = make(head=head, confidence=head != "none")

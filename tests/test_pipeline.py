@@ -115,13 +115,16 @@ def test_sigterm_unwinds_and_records_the_stage_time(tmp_path):
         raise AssertionError("SIGTERM did not interrupt the stage")
 
     mains["build_cache"] = slow_cache
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell starts a background job
         pipeline.exit_on_sigterm()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         with pytest.raises(SystemExit) as e:
             pipeline.run(args, mains, log=lambda m: None)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
     assert e.value.code == 128 + signal.SIGTERM
     stages = json.loads((Path(args.out) / pipeline.RECORD).read_text())["stages"]
     assert not stages["cache"]["finished"] and stages["cache"]["seconds"] >= 0.5

@@ -253,10 +253,12 @@ def run(args: argparse.Namespace, mains: dict | None = None, log: Callable[[str]
 
 def exit_on_sigterm() -> None:
     """Make SIGTERM (``kill``, a scheduler's stop) unwind like Ctrl-C: the stage in progress records its seconds
-    and the next run resumes it. Without this the process dies at once and the stage's time is lost."""
+    and the next run resumes it. Without this the process dies at once and the stage's time is lost. SIGINT
+    is restored too: a shell starts a background job with it ignored, and ``kill -INT`` should stop it."""
     def handler(signum, frame):
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from dspark_jax.models.llama import first_argmax, masked_softmax, rope
+from dspark_jax.models.llama import first_argmax, rope
 from dspark_jax.sampling import categorical, safe_log
 
 HEADS = ("markov", "gated", "rnn", "none")
@@ -182,18 +182,22 @@ class DraftLayer(nnx.Module):
             q = self.q_norm(q)
         q = self._rope(q, positions).reshape(N, B, G, K, Q, E) * (E**-0.5)
         kb, vb = self.context_kv(h, positions)  # [N, B, G, K, E]
-        s_ctx = jnp.einsum("nbgkqe,nske->nbgkqs", q, ctx_k)  # [N, B, G, K, Q, S]
-        s_blk = jnp.einsum("nbgkqe,nbhke->nbgkqh", q, kb)  # [N, B, G, K, Q, G]
-        scores = jnp.concatenate([s_ctx, s_blk], axis=-1).astype(jnp.float32)
-        mask = jnp.concatenate(
-            [jnp.broadcast_to(ctx_mask[:, :, None, None, None, :], s_ctx.shape), jnp.ones(s_blk.shape, bool)],
-            axis=-1,
-        )
-        p = masked_softmax(scores, mask).astype(x.dtype)
-        S = ctx_k.shape[1]
-        out = jnp.einsum("nbgkqs,nske->nbgkqe", p[..., :S], ctx_v) + jnp.einsum(
-            "nbgkqh,nbhke->nbgkqe", p[..., S:], vb
-        )
+        # Scores laid out [N, K, B, G, Q, *]: the products' batch axes (n, k) lead, so XLA neither transposes nor
+        # copies the [.., S] tensors. The softmax runs over the context and block parts without joining them:
+        # one shared maximum (finite: every block slot sees the whole block) and one denominator, applied
+        # after the products with the values.
+        s_ctx = jnp.einsum("nbgkqe,nske->nkbgqs", q, ctx_k).astype(jnp.float32)  # [N, K, B, G, Q, S]
+        s_blk = jnp.einsum("nbgkqe,nbhke->nkbgqh", q, kb).astype(jnp.float32)  # [N, K, B, G, Q, G]
+        s_ctx = jnp.where(ctx_mask[:, None, :, None, None, :], s_ctx, -jnp.inf)
+        # The softmax does not depend on the shift: no gradient flows through the maximum (exact, and it spares
+        # the backward pass a compare-and-select over the whole score tensor).
+        top = lax.stop_gradient(jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True),
+                                            jnp.max(s_blk, axis=-1, keepdims=True)))
+        e_ctx, e_blk = jnp.exp(s_ctx - top), jnp.exp(s_blk - top)  # masked context positions: exp(-inf) = 0
+        denom = jnp.sum(e_ctx, axis=-1, keepdims=True) + jnp.sum(e_blk, axis=-1, keepdims=True)
+        out = (jnp.einsum("nkbgqs,nske->nkbgqe", e_ctx.astype(x.dtype), ctx_v).astype(jnp.float32)
+               + jnp.einsum("nkbgqh,nbhke->nkbgqe", e_blk.astype(x.dtype), vb).astype(jnp.float32)) / denom
+        out = jnp.transpose(out, (0, 2, 3, 1, 4, 5)).astype(x.dtype)  # [N, B, G, K, Q, E]
         x = x + self.wo(out.reshape(N, B, G, H * E))
         h = self.mlp_norm(x)
         return x + self.w_down(jax.nn.silu(self.w_gate(h)) * self.w_up(h))
@@ -247,12 +251,15 @@ class Drafter(nnx.Module):
     def context_features(self, taps: jax.Array) -> jax.Array:
         """H_ctx = RMSNorm(W_c [h_l1; ...; h_lM]): [..., M, D] -> [..., D] (with ``tap_norm``, each h_l is
         RMS-normalised and scaled by its own learned vector first)."""
+        kernel = self.ctx_proj.kernel[...]  # [M * D, D]
         if self.cfg.tap_norm:
             t = taps.astype(jnp.float32)
-            t = t * jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + self.cfg.norm_eps)
-            taps = t * self.tap_scale[...]
-        flat = taps.reshape(*taps.shape[:-2], -1).astype(self.ctx_proj.kernel[...].dtype)
-        return self.ctx_norm(self.ctx_proj(flat))
+            taps = t * jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + self.cfg.norm_eps)
+            # (t * s) @ W as t @ (s * W): the same product, but the gradient of the scale s is then read off the
+            # kernel's gradient ([M * D, D]) instead of a pass back over every context token's taps.
+            kernel = self.tap_scale[...].reshape(-1, 1).astype(kernel.dtype) * kernel
+        flat = taps.reshape(*taps.shape[:-2], -1).astype(kernel.dtype)
+        return self.ctx_norm(flat @ kernel)
 
     def context_kv(self, taps: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Per-layer context keys and values: taps [..., M, D], positions [...] -> 2 x [L, ..., K, E]."""
