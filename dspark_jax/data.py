@@ -343,16 +343,17 @@ class BlockBatch:
 
 
 def default_buckets(longest: int) -> tuple[int, ...]:
-    """Training context buckets that hold a sequence of ``longest`` tokens: 256, 512, 1024, then steps of
-    512 (a sequence of a 1024-token prompt and a 512-token answer lands in 1536, not in a 2048 padded a third
-    empty).
+    """Training context buckets that hold a sequence of ``longest`` tokens: 256, 512, 1024, then powers of two
+    and one and a half times them (1536, 2048, 3072, ...), so a batch pads at most a third of its context and
+    a long-tailed cache compiles few steps (a 1024-token prompt with a 512-token answer lands in 1536).
 
-    >>> default_buckets(300), default_buckets(1536), default_buckets(1537)
-    ((256, 512, 1024), (256, 512, 1024, 1536), (256, 512, 1024, 1536, 2048))
+    >>> default_buckets(300), default_buckets(1536), default_buckets(5000)
+    ((256, 512, 1024), (256, 512, 1024, 1536), (256, 512, 1024, 1536, 2048, 3072, 4096, 6144))
     """
     out = [256, 512, 1024]
     while out[-1] < longest:
-        out.append(out[-1] + 512)
+        top = out[-1]
+        out.append(top * 3 // 2 if top & (top - 1) == 0 else top * 4 // 3)
     return tuple(out)
 
 
@@ -362,18 +363,19 @@ class BlockLoader:
     Sequences are bucketed by length into ``buckets`` (context lengths S); a batch holds
     ``context_tokens // S`` sequences of one bucket and ``blocks // N`` blocks per sequence, so every
     step has about the same cost and each bucket compiles once. The default buckets (`default_buckets`)
-    hold the cache's longest sequence; with explicit ones, sequences longer than the largest are skipped
-    (`skipped` counts them).
+    hold the longest sequence; with explicit ones, sequences longer than the largest are skipped (`skipped`
+    counts them). ``sequences_multiple``: N is rounded down to a multiple of it (at least one multiple), so a
+    batch splits evenly over that many data-parallel devices.
     """
 
     def __init__(self, cache: TargetCache, *, block: int, buckets: Sequence[int] | None = None,
                  context_tokens: int = 2048, blocks: int = 256, seed: int = 0,
-                 sequence_ids: Sequence[int] | None = None):
+                 sequence_ids: Sequence[int] | None = None, sequences_multiple: int = 1):
         self.cache, self.block, self.seed = cache, block, seed
-        if buckets is None:
-            buckets = default_buckets(int(cache.lengths.max(initial=1)))
-        self.buckets = tuple(sorted(buckets))
         ids = np.arange(cache.num_sequences) if sequence_ids is None else np.asarray(sequence_ids)
+        if buckets is None:
+            buckets = default_buckets(int(cache.lengths[ids].max(initial=1)))
+        self.buckets = tuple(sorted(buckets))
         # A sequence needs at least one anchor: two assistant tokens.
         ids = ids[cache.lengths[ids] - cache.prompt_lengths[ids] >= 2]
         fits = cache.lengths[ids] <= self.buckets[-1]
@@ -383,11 +385,17 @@ class BlockLoader:
             raise ValueError("no usable sequences (need two assistant tokens and a length within the buckets)")
         which = np.searchsorted(self.buckets, cache.lengths[ids], side="left")
         self.groups = {self.buckets[b]: ids[which == b] for b in range(len(self.buckets)) if np.any(which == b)}
-        self.shapes = {s: (max(1, context_tokens // s), max(1, blocks // max(1, context_tokens // s)))
-                       for s in self.groups}
+        m = max(1, int(sequences_multiple))  # sequences a batch holds: a multiple of the data-parallel devices
+        seqs_of = {s: max(m, context_tokens // s // m * m) for s in self.groups}
+        self.shapes = {s: (n, max(1, blocks // n)) for s, n in seqs_of.items()}
         # Pick a bucket in proportion to the tokens it holds.
         sizes = np.array([cache.lengths[g].sum() for g in self.groups.values()], np.float64)
         self.bucket_probs = sizes / sizes.sum()
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the batches draw from (those with an anchor, within the buckets)."""
+        return int(sum(len(g) for g in self.groups.values()))
 
     @property
     def num_tokens(self) -> int:

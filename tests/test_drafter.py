@@ -125,6 +125,25 @@ def test_grouped_heads_attend_as_one_softmax_over_context_and_block():
     np.testing.assert_array_equal(np.asarray(grads[0])[1, ~np.asarray(mask[1]).any(0)], 0.0)  # unseen: no gradient
 
 
+def test_float16_attention_over_a_long_flat_context_stays_finite():
+    """Sums of thousands of exponentials times values pass float16's range before the division: the products
+    accumulate in float32, so a float16 layer over 8192 equal context positions matches float32's."""
+    cfg = dr.DrafterConfig(vocab_size=8, dim=8, n_taps=1, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4,
+                           ffn_dim=8, block=2, head="none", confidence=False)
+    layer = dr.DraftLayer(cfg, rngs=nnx.Rngs(0))
+    S = 8192
+    x = jnp.ones((1, 1, 2, 8), jnp.float32)
+    pos = jnp.zeros((1, 1, 2), jnp.int32)
+    ctx_k, ctx_v = jnp.zeros((1, S, 1, 4)), jnp.full((1, S, 1, 4), 10.0)
+    mask = jnp.ones((1, 1, S), bool)
+    want = np.asarray(layer(x, pos, ctx_k, ctx_v, mask))
+    graphdef, state = nnx.split(layer)
+    layer16 = nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(jnp.float16), state))
+    got = np.asarray(layer16(x.astype(jnp.float16), pos, ctx_k.astype(jnp.float16), ctx_v.astype(jnp.float16), mask))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=2e-2, atol=5e-2)
+
+
 @pytest.mark.parametrize("head", ["markov", "rnn", "none"])
 def test_teacher_forced_equals_sampled_path(target, head):
     d = make(head=head, confidence=head != "none")

@@ -287,7 +287,9 @@ def test_a_run_started_before_a_config_field_existed_resumes(tmp_path):
     train_drafter.check_resume(tmp_path, record)
     with pytest.raises(ValueError, match="config differ"):
         train_drafter.check_resume(tmp_path, {**record, "config": {**cfg.to_dict(), "tap_norm": True}})
-    # a run from before the bucket field used (256, 512, 1024): the same resumes, a longer set is refused
+    # a run from before the bucket field used (256, 512, 1024): it resumes on those, a longer set is refused
+    assert train_drafter.resumed_buckets(tmp_path) == [256, 512, 1024]
+    assert train_drafter.resumed_buckets(tmp_path / "new") is None  # a new run: the loader's default buckets
     train_drafter.check_resume(tmp_path, {**record, "buckets": [256, 512, 1024]})
     with pytest.raises(ValueError, match="buckets differ"):
         train_drafter.check_resume(tmp_path, {**record, "buckets": [256, 512, 1024, 1536]})

@@ -78,6 +78,17 @@ def test_default_buckets_hold_every_sequence_and_explicit_ones_count_what_they_s
     capped = data.BlockLoader(long, block=G, buckets=(256, 512, 1024), context_tokens=4096, blocks=8)
     assert capped.skipped == 1 and all(0 not in g for g in capped.groups.values())
     assert capped.num_tokens == every.num_tokens - 1100
+    assert capped.num_sequences == every.num_sequences - 1 == long.num_sequences - 1
+
+
+def test_batches_hold_a_multiple_of_the_data_parallel_devices():
+    _, cache = fake_cache(n_seq=12)
+    one = data.BlockLoader(cache, block=G, buckets=(32,), context_tokens=96, blocks=12)  # 3 sequences a batch
+    two = data.BlockLoader(cache, block=G, buckets=(32,), context_tokens=96, blocks=12, sequences_multiple=2)
+    assert one.batch(0).tokens.shape[0] == 3 and two.batch(0).tokens.shape[0] == 2
+    assert two.batch(0).anchors.shape == (2, 6)  # blocks per sequence follow N
+    few = data.BlockLoader(cache, block=G, buckets=(32,), context_tokens=32, blocks=12, sequences_multiple=4)
+    assert few.batch(0).tokens.shape[0] == 4  # at least one multiple, even past the context asked for
 
 
 def numpy_loss(d, batch, w_embed, loss_cfg):

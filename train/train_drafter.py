@@ -86,6 +86,18 @@ def validate_only(args: argparse.Namespace, target, val_cache: data.TargetCache)
     return val
 
 
+OLD_BUCKETS = [256, 512, 1024]  # the fixed context buckets of every run recorded before run.json named them
+
+
+def resumed_buckets(run: Path) -> list[int] | None:
+    """The context buckets a run with checkpoints was started with (so that it resumes on the same batches
+    whatever the cache's longest sequence now), or None for a new run (`data.default_buckets`)."""
+    path = run / "run.json"
+    if not (run / "ckpt").is_dir() or not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("buckets", OLD_BUCKETS)
+
+
 def check_resume(run: Path, record: dict) -> None:
     """A run folder with checkpoints resumes only the drafter it was started for (same record)."""
     path = run / "run.json"
@@ -94,7 +106,7 @@ def check_resume(run: Path, record: dict) -> None:
     old = json.loads(path.read_text())
     if isinstance(old.get("config"), dict):  # fields added to the config since have their defaults there
         old["config"] = DrafterConfig.from_dict(old["config"]).to_dict()
-    fixed = {"buckets": [256, 512, 1024]}  # the buckets of every run recorded before the field
+    fixed = {"buckets": OLD_BUCKETS}
     old, record = {**fixed, **old}, {**fixed, **record}
     diff = sorted(k for k in set(old) | set(record) if old.get(k) != record.get(k))
     if diff:
@@ -230,7 +242,8 @@ def main(argv=None):
                  if args.init_layers is not None else {}),
               "lr": args.lr, "blocks": args.blocks, "context_tokens": args.context_tokens}
     loader = data.BlockLoader(cache, block=cfg.block, blocks=args.blocks, context_tokens=args.context_tokens,
-                              seed=args.seed)
+                              seed=args.seed, buckets=resumed_buckets(run),
+                              sequences_multiple=1 if mesh is None else mesh.shape["data"])
     record["buckets"] = list(loader.buckets)
     check_resume(run, record)
     run.mkdir(parents=True, exist_ok=True)
@@ -241,7 +254,7 @@ def main(argv=None):
     print(f"{args.kind}: {n_train / 1e6:.2f}M of {n_params / 1e6:.2f}M parameters trained (--train {args.train}"
           + (f", from {source}, new: {', '.join(fresh) or 'none'}" if source is not None else "")
           + f"), draft vocabulary {len(vocab)} ({covered:.2%} of sampled assistant tokens), {loader.num_tokens} tokens "
-          f"in {cache.num_sequences - loader.skipped} of {cache.num_sequences} sequences, context buckets "
+          f"in {loader.num_sequences} of {cache.num_sequences} sequences, context buckets "
           f"{loader.buckets}")
     tc = training.TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed, val_every=args.val_every)
     val_loader = None if val_cache is None else held_out_loader(val_cache, cfg.block)

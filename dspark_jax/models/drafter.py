@@ -186,8 +186,10 @@ class DraftLayer(nnx.Module):
         # copies the [.., S] tensors. The softmax runs over the context and block parts without joining them:
         # one shared maximum (finite: every block slot sees the whole block) and one denominator, applied
         # after the products with the values.
-        s_ctx = jnp.einsum("nbgkqe,nske->nkbgqs", q, ctx_k).astype(jnp.float32)  # [N, K, B, G, Q, S]
-        s_blk = jnp.einsum("nbgkqe,nbhke->nkbgqh", q, kb).astype(jnp.float32)  # [N, K, B, G, Q, G]
+        f32 = jnp.float32  # scores, sums and the unnormalised value products accumulate in float32 (a float16
+        # product of S exponentials and values can pass 65504 before the division)
+        s_ctx = jnp.einsum("nbgkqe,nske->nkbgqs", q, ctx_k, preferred_element_type=f32)  # [N, K, B, G, Q, S]
+        s_blk = jnp.einsum("nbgkqe,nbhke->nkbgqh", q, kb, preferred_element_type=f32)  # [N, K, B, G, Q, G]
         s_ctx = jnp.where(ctx_mask[:, None, :, None, None, :], s_ctx, -jnp.inf)
         # The softmax does not depend on the shift: no gradient flows through the maximum (exact, and it spares
         # the backward pass a compare-and-select over the whole score tensor).
@@ -195,8 +197,8 @@ class DraftLayer(nnx.Module):
                                             jnp.max(s_blk, axis=-1, keepdims=True)))
         e_ctx, e_blk = jnp.exp(s_ctx - top), jnp.exp(s_blk - top)  # masked context positions: exp(-inf) = 0
         denom = jnp.sum(e_ctx, axis=-1, keepdims=True) + jnp.sum(e_blk, axis=-1, keepdims=True)
-        out = (jnp.einsum("nkbgqs,nske->nkbgqe", e_ctx.astype(x.dtype), ctx_v).astype(jnp.float32)
-               + jnp.einsum("nkbgqh,nbhke->nkbgqe", e_blk.astype(x.dtype), vb).astype(jnp.float32)) / denom
+        out = (jnp.einsum("nkbgqs,nske->nkbgqe", e_ctx.astype(x.dtype), ctx_v, preferred_element_type=f32)
+               + jnp.einsum("nkbgqh,nbhke->nkbgqe", e_blk.astype(x.dtype), vb, preferred_element_type=f32)) / denom
         out = jnp.transpose(out, (0, 2, 3, 1, 4, 5)).astype(x.dtype)  # [N, B, G, K, Q, E]
         x = x + self.wo(out.reshape(N, B, G, H * E))
         h = self.mlp_norm(x)
@@ -257,7 +259,7 @@ class Drafter(nnx.Module):
             taps = t * jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + self.cfg.norm_eps)
             # (t * s) @ W as t @ (s * W): the same product, but the gradient of the scale s is then read off the
             # kernel's gradient ([M * D, D]) instead of a pass back over every context token's taps.
-            kernel = self.tap_scale[...].reshape(-1, 1).astype(kernel.dtype) * kernel
+            kernel = (self.tap_scale[...].reshape(-1, 1) * kernel.astype(jnp.float32)).astype(kernel.dtype)
         flat = taps.reshape(*taps.shape[:-2], -1).astype(kernel.dtype)
         return self.ctx_norm(flat @ kernel)
 
