@@ -70,7 +70,7 @@ def test_loader_blocks_follow_the_spec():
 def test_default_buckets_hold_every_sequence_and_explicit_ones_count_what_they_skip():
     _, cache = fake_cache()
     lengths = cache.lengths.copy()
-    lengths[0] = 1100  # one sequence past 1024 tokens: the default buckets grow by 512 to hold it
+    lengths[0] = 1100  # one sequence past 1024 tokens: the default buckets grow to 1536 to hold it
     long = dataclasses.replace(cache, lengths=lengths)
     every = data.BlockLoader(long, block=G, context_tokens=4096, blocks=8)
     assert every.buckets == (256, 512, 1024, 1536) and every.skipped == 0

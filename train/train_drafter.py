@@ -89,21 +89,26 @@ def validate_only(args: argparse.Namespace, target, val_cache: data.TargetCache)
 OLD_BUCKETS = [256, 512, 1024]  # the fixed context buckets of every run recorded before run.json named them
 
 
-def resumed_buckets(run: Path) -> list[int] | None:
-    """The context buckets a run with checkpoints was started with (so that it resumes on the same batches
-    whatever the cache's longest sequence now), or None for a new run (`data.default_buckets`)."""
+def recorded_run(run: Path) -> dict | None:
+    """The run.json of a run folder that holds checkpoints (a run to resume), else None."""
     path = run / "run.json"
     if not (run / "ckpt").is_dir() or not path.is_file():
         return None
-    return json.loads(path.read_text()).get("buckets", OLD_BUCKETS)
+    return json.loads(path.read_text())
+
+
+def resumed_buckets(run: Path) -> list[int] | None:
+    """The context buckets a run with checkpoints was started with (so that it resumes on the same batches
+    whatever the cache's longest sequence now), or None for a new run (`data.default_buckets`)."""
+    old = recorded_run(run)
+    return None if old is None else old.get("buckets", OLD_BUCKETS)
 
 
 def check_resume(run: Path, record: dict) -> None:
     """A run folder with checkpoints resumes only the drafter it was started for (same record)."""
-    path = run / "run.json"
-    if not (run / "ckpt").is_dir() or not path.is_file():
+    old = recorded_run(run)
+    if old is None:
         return
-    old = json.loads(path.read_text())
     if isinstance(old.get("config"), dict):  # fields added to the config since have their defaults there
         old["config"] = DrafterConfig.from_dict(old["config"]).to_dict()
     fixed = {"buckets": OLD_BUCKETS}
