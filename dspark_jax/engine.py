@@ -328,9 +328,9 @@ class RoundStats:
     finished: int = 0  # requests that finished in the round (admission included)
     drafted: bool = False  # the drafter ran this round
     context: int = 0  # committed tokens of the round's longest request (the cost model's L)
-    # With Engine.record_tokens, per row: the request ids [active], the drafted tokens [active, G] (None when the
-    # drafter did not run) and the tokens each request emitted this round.
-    requests: np.ndarray | None = None
+    requests: np.ndarray | None = None  # [active] the request id of each row
+    # With Engine.record_tokens, per row: the drafted tokens [active, G] (None when the drafter did not run) and
+    # the tokens each request emitted this round.
     draft_tokens: np.ndarray | None = None
     emitted_tokens: list[list[int]] | None = None
 
@@ -339,7 +339,7 @@ class RoundStats:
         ``record_confidences`` must have been on): round ``index``, request id, drafted tokens with their
         calibrated confidences and raw confidence logits (None when the drafter did not run), scheduled length,
         accepted drafts, emitted tokens."""
-        if self.requests is None:
+        if self.emitted_tokens is None:
             raise ValueError("trace_rows: the round was run without Engine.record_tokens")
         rows = []
         for i, rid in enumerate(self.requests):
@@ -865,9 +865,8 @@ class Engine:
                            emitted=total, batch_tokens=B, padded_tokens=T, seconds=seconds,
                            compiled=compile_count() != compiles, confidences=conf, confidence_logits=conf_logits,
                            finished=len(self.finished_ids) - finished_before,
-                           drafted=drafted, context=longest)
+                           drafted=drafted, context=longest, requests=row_requests)
         if self.record_tokens:
-            stats.requests = row_requests
             stats.draft_tokens = np.asarray(d.tokens)[:n] if d is not None else None
             stats.emitted_tokens = [emitted[i, : counts[i]].tolist() for i in range(n)]
         self.rounds.append(stats)

@@ -52,9 +52,27 @@ def acceptance_report(accepted: np.ndarray, verified: np.ndarray, block: int) ->
     return {"accept_len": float(np.mean(accepted + 1)), "rounds": int(len(accepted)), "per_position": per}
 
 
-def evaluate_rounds(rounds: Sequence[RoundStats], block: int, sts_temperatures=None, sts_biases=None) -> dict:
+def per_request(rounds: Sequence[RoundStats], labels: Sequence | None = None) -> list[dict]:
+    """Rounds and accepted drafts of each request, by request id: ``{"request", "rounds", "accepted"}`` (its
+    accepted length is ``1 + accepted / rounds``), with ``"prompt": labels[request]`` when ``labels`` are given
+    (request ids count the engine's submissions from 0)."""
+    req = np.concatenate([r.requests for r in rounds])
+    acc = np.concatenate([r.accepted for r in rounds])
+    ids = np.unique(req)
+    out = []
+    for rid in ids:
+        row = {"request": int(rid), "rounds": int(np.sum(req == rid)), "accepted": int(acc[req == rid].sum())}
+        if labels is not None:
+            row["prompt"] = labels[int(rid)]
+        out.append(row)
+    return out
+
+
+def evaluate_rounds(rounds: Sequence[RoundStats], block: int, sts_temperatures=None, sts_biases=None,
+                    labels: Sequence | None = None) -> dict:
     """Acceptance and calibration of recorded rounds (the JSON the evaluate command writes); ``sts_biases``
-    [G]: the STS set's logit offsets (`calibration.fit_sts_bias`), if any."""
+    [G]: the STS set's logit offsets (`calibration.fit_sts_bias`), if any; ``labels``: a JSON-ready label per
+    request id for the per-request rows (`per_request`)."""
     logits, acc, ver = pooled(rounds)
     out = acceptance_report(acc, ver, block)
     cal = calibration.calibration_report(logits, acc, ver, sts_temperatures, sts_biases)
@@ -69,6 +87,7 @@ def evaluate_rounds(rounds: Sequence[RoundStats], block: int, sts_temperatures=N
     out["reliability_raw"] = cal["reliability_raw"]
     if sts_temperatures is not None:
         out["reliability_sts"] = cal["reliability_sts"]
+    out["per_request"] = per_request(rounds, labels)
     return out
 
 
@@ -91,15 +110,27 @@ def half_per_file(paths, half: str, limit: int | None = None) -> list[list]:
     return [split_half(load_prompts([f]), half)[:limit] for f in prompt_files(paths)]
 
 
-def encode_first_turns(tokenizer, chosen_per_file: Sequence[Sequence], max_prompt_tokens: int) -> list[list[int]]:
+def encode_chosen(tokenizer, chosen_per_file: Sequence[Sequence], max_prompt_tokens: int
+                  ) -> list[tuple[int, int, list[int]]]:
     """Each chosen prompt's first turn with the chat template, in order, dropping those over
-    ``max_prompt_tokens`` tokens.
+    ``max_prompt_tokens`` tokens: ``(file, index, ids)`` per kept prompt, ``index`` its position in its file's
+    chosen list (so that a report can be cut to the prompts a smaller ``--limit`` would have chosen).
 
     Raises:
       ValueError: naming ``--max-prompt-tokens`` when no prompt fits.
     """
-    prompts = [ids for chosen in chosen_per_file for ids in (tokenizer.encode_chat([pr.turns[0]]) for pr in chosen)
-               if len(ids) <= max_prompt_tokens]
-    if not prompts:
+    kept = [(f, i, ids) for f, chosen in enumerate(chosen_per_file)
+            for i, ids in enumerate(tokenizer.encode_chat([pr.turns[0]]) for pr in chosen)
+            if len(ids) <= max_prompt_tokens]
+    if not kept:
         raise ValueError(f"--prompts: no chosen prompt fits in --max-prompt-tokens {max_prompt_tokens}")
-    return prompts
+    return kept
+
+
+def encode_first_turns(tokenizer, chosen_per_file: Sequence[Sequence], max_prompt_tokens: int) -> list[list[int]]:
+    """The token ids of `encode_chosen`'s prompts, in order.
+
+    Raises:
+      ValueError: naming ``--max-prompt-tokens`` when no prompt fits.
+    """
+    return [ids for _, _, ids in encode_chosen(tokenizer, chosen_per_file, max_prompt_tokens)]

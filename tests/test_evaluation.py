@@ -74,3 +74,75 @@ def test_half_per_file_limits_each_file_of_a_folder(tmp_path):
         evaluation.half_per_file([tmp_path / "missing"], "eval")
     with pytest.raises(ValueError, match="half: expected"):
         evaluation.half_per_file([tmp_path], "odd")
+
+
+def test_per_request_rows_cover_every_round_and_match_a_smaller_limit():
+    """Each request's rows sum to the report's rounds; the first prompts of a run over more prompts are decoded
+    with the same draws as a run over them alone (sampling is keyed by request), so `summarize_eval --first`
+    compares runs at different limits."""
+    cfg = LlamaConfig.tiny()
+    model = LlamaModel(cfg, init_random_weights(cfg, jax.random.key(0), scale=0.3), None)
+    d = dr.Drafter(dr.DrafterConfig.for_target(cfg, n_layers=1, ffn_dim=16, rank=4, block=3), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 64, size=6).tolist() for _ in range(4)]
+    small, _ = evaluation.fixed_block_rounds(model, d, prompts[:2], max_new_tokens=12, temperature=1.0, concurrency=2)
+    large, _ = evaluation.fixed_block_rounds(model, d, prompts, max_new_tokens=12, temperature=1.0, concurrency=2)
+    rep = evaluation.evaluate_rounds(large, 3, labels=[[0, i] for i in range(4)])
+    rows = rep["per_request"]
+    assert [r["request"] for r in rows] == [0, 1, 2, 3] and [r["prompt"] for r in rows] == [[0, i] for i in range(4)]
+    assert sum(r["rounds"] for r in rows) == rep["rounds"]
+    assert 1 + sum(r["accepted"] for r in rows) / rep["rounds"] == pytest.approx(rep["accept_len"])
+    assert evaluation.per_request(small) == [{k: v for k, v in r.items() if k != "prompt"} for r in rows[:2]]
+
+
+def test_encode_chosen_labels_kept_prompts_by_position():
+    from dspark_jax.data import Prompt
+
+    class Tok:
+        def encode_chat(self, turns):
+            return list(range(len(turns[0])))
+
+    chosen = [[Prompt(i, "p", (t,)) for i, t in enumerate(("ab", "abcdef", "abc"))], [Prompt(0, "q", ("a",))]]
+    kept = evaluation.encode_chosen(Tok(), chosen, max_prompt_tokens=4)
+    assert [(f, i) for f, i, _ in kept] == [(0, 0), (0, 2), (1, 0)]  # the long prompt dropped, positions kept
+    assert evaluation.encode_first_turns(Tok(), chosen, 4) == [[0, 1], [0, 1, 2], [0]]
+    with pytest.raises(ValueError, match="--max-prompt-tokens 0"):
+        evaluation.encode_chosen(Tok(), chosen, max_prompt_tokens=0)
+
+
+def _report(rows):
+    n = sum(r["rounds"] for r in rows)
+    return {"rounds": n, "accept_len": 1 + sum(r["accepted"] for r in rows) / n, "auroc": 0.8,
+            "ece_raw": 0.1, "ece_sts": None, "per_position": [{"auroc_raw": 0.7}],
+            "reliability_raw": None, "per_request": rows}
+
+
+def test_summary_cuts_to_first_prompts_and_gives_intervals(tmp_path):
+    import json
+
+    from train import summarize_eval
+
+    def rows(acc):  # one request per prompt, 10 rounds each, accepted drafts in total
+        return [{"request": i, "rounds": 10, "accepted": a, "prompt": [0, i]} for i, a in enumerate(acc)]
+
+    reports = {("a", "x"): rows([5, 10, 15, 40]), ("b", "x"): rows([10, 20, 30, 0]),
+               ("a", "y"): rows([0, 10, 20]), ("b", "y"): rows([0, 20, 40])}
+    for (d, dom), r in reports.items():
+        (tmp_path / f"{d}_{dom}.json").write_text(json.dumps(_report(r)))
+    argv = ["--dir", str(tmp_path), "--drafts", "a", "b", "--domains", "x", "y"]
+    full = summarize_eval.main(argv)
+    assert full["pooled"]["a"]["accept_len"] == pytest.approx(1 + 100 / 70)
+    lo, hi = full["pooled"]["ratio_interval"]
+    assert lo <= full["pooled"]["b"]["accept_len"] / full["pooled"]["a"]["accept_len"] <= hi and lo < hi
+    cut = summarize_eval.main(argv + ["--first", "2"])  # prompts 0 and 1 of each file
+    assert cut["x"]["a"]["accept_len"] == pytest.approx(1 + 15 / 20) and cut["x"]["b"]["rounds"] == 20
+    assert cut["pooled"]["b"]["accept_len"] == pytest.approx(1 + 50 / 40)
+    assert cut["pooled"]["a"]["ece_raw"] is None  # calibration is not kept per prompt
+    same = summarize_eval.main(["--dir", str(tmp_path), "--drafts", "a", "a", "--domains", "x", "y"])
+    assert same["pooled"]["ratio_interval"] == [1.0, 1.0]  # paired: the same prompts redrawn for both
+    old = _report(rows([1, 2]))
+    del old["per_request"]
+    (tmp_path / "a_x.json").write_text(json.dumps(old))
+    with pytest.raises(SystemExit, match="per-prompt rows"):
+        summarize_eval.main(argv + ["--first", "2"])
+    assert "ratio_interval" not in summarize_eval.main(argv)["pooled"]  # older reports: no intervals

@@ -5,7 +5,9 @@
 
 Reports the accepted length tau (bonus included, pooled over rounds), per-position survival and conditional
 acceptance, and calibration (ECE over 20 bins, AUROC, Brier; raw and after STS when the drafter has STS
-temperatures). `--half eval` keeps the odd-numbered prompts (the even ones are the calibration half).
+temperatures). `--half eval` keeps the odd-numbered prompts (the even ones are the calibration half). The JSON
+also holds each prompt's rounds and accepted drafts (`per_request`), which `train.summarize_eval` uses for
+intervals over prompts and to cut a report to a smaller `--limit`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.calibration import STSSets
 from dspark_jax.sharding import mesh_from_args
 from dspark_jax.drafters import resolve_drafter
-from dspark_jax.evaluation import encode_first_turns, evaluate_rounds, fixed_block_rounds, half_per_file
+from dspark_jax.evaluation import encode_chosen, evaluate_rounds, fixed_block_rounds, half_per_file
 from dspark_jax.timing import write_json
 
 
@@ -40,7 +42,8 @@ def main(argv=None):
     drafter, meta, temps, path = resolve_drafter(args.draft, target_cfg=model.cfg)
     if args.no_sts:
         temps = None
-    prompts = encode_first_turns(model.tokenizer, chosen_per_file, args.max_prompt_tokens)
+    kept = encode_chosen(model.tokenizer, chosen_per_file, args.max_prompt_tokens)
+    prompts = [ids for _, _, ids in kept]
     rounds, engine = fixed_block_rounds(model, drafter, prompts, max_new_tokens=args.max_new_tokens, mesh=mesh,
                                         temperature=args.temperature, concurrency=args.concurrency, seed=args.seed,
                                         sts_temperatures=temps)
@@ -48,7 +51,9 @@ def main(argv=None):
     sets = None if temps is None else STSSets.of(temps)
     used = (None, None) if sets is None else (sets.for_temperature(args.temperature),
                                               sets.biases_for_temperature(args.temperature))
-    report = evaluate_rounds(rounds, drafter.cfg.block, *used)
+    # each request's rounds, labelled [file, position among the file's chosen prompts]: `summarize_eval --first N`
+    # cuts a report to the prompts `--limit N` would have chosen
+    report = evaluate_rounds(rounds, drafter.cfg.block, *used, labels=[[f, i] for f, i, _ in kept])
     report.update(draft=str(path), model=args.model, prompts=len(prompts), temperature=args.temperature,
                   max_new_tokens=args.max_new_tokens, block=drafter.cfg.block)
     print(f"{path.name}: tau {report['accept_len']:.3f} over {report['rounds']} rounds, "

@@ -6,6 +6,13 @@
 Reads DIR/{draft}_{domain}.json. The pooled row weights every domain by its rounds: tau is the mean over all
 request-rounds, and ECE is recomputed from the merged 20-bin reliability counts (exact, since both use the
 same bins); AUROC is the round-weighted mean of the per-domain values (the ranking itself is not stored).
+
+Reports with per-prompt rows (`train.evaluate` writes them) also give a 95% interval over prompts for each
+tau and for the ratio of two drafters (a bootstrap that redraws the prompts of each domain, the same prompts
+for both drafters), and `--first N` cuts every report to the prompts `train.evaluate --limit N` would have
+chosen (tau only: the calibration bins are not kept per prompt), so a run at a larger limit compares with one
+at a smaller. Sampling is keyed by request, so the cut run's prompts are decoded with the smaller run's random
+draws.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+from dspark_jax.io import atomic_write_text
 
 
 def pooled_ece(reports: list[dict], key: str) -> float | None:
@@ -30,7 +39,7 @@ def pooled_ece(reports: list[dict], key: str) -> float | None:
 def first_position_auroc(report: dict) -> float:
     """AUROC at block position 1 (after STS when the report has it)."""
     first = report["per_position"][0]
-    return first.get("auroc_sts", first.get("auroc_raw"))
+    return first.get("auroc_sts", first.get("auroc_raw"))  # None for a report cut by --first
 
 
 def pool(reports: list[dict]) -> dict:
@@ -42,8 +51,66 @@ def pool(reports: list[dict]) -> dict:
         "ece_sts": pooled_ece(reports, "reliability_sts"),
         "auroc": float(np.sum(n * [r["auroc"] for r in reports]) / n.sum()) if all(
             r.get("auroc") is not None for r in reports) else None,
-        "first_position_auroc": float(np.sum(n * [first_position_auroc(r) for r in reports]) / n.sum()),
+        "first_position_auroc": float(np.sum(n * [first_position_auroc(r) for r in reports]) / n.sum()) if all(
+            first_position_auroc(r) is not None for r in reports) else None,
     }
+
+
+def prompt_rows(report: dict, first: int | None = None, where: str = "report") -> list[dict]:
+    """The report's per-prompt rows (`evaluation.per_request`), those among the first ``first`` prompts of
+    their file when given.
+
+    Raises:
+      ValueError: naming ``where`` when the report has no per-prompt rows (written before they were kept).
+    """
+    rows = report.get("per_request")
+    if rows is None or (first is not None and any("prompt" not in r for r in rows)):
+        raise ValueError(f"{where}: no per-prompt rows (rerun train.evaluate to write them)")
+    return [r for r in rows if first is None or r["prompt"][1] < first]
+
+
+def tau_of(rows: list[dict]) -> dict:
+    """Rounds and pooled accepted length (bonus included) of per-prompt rows."""
+    n = sum(r["rounds"] for r in rows)
+    return {"rounds": n, "accept_len": 1.0 + sum(r["accepted"] for r in rows) / n}
+
+
+def bootstrap(rows_by_drafter: dict[str, list[list[dict]]], draws: int = 2000, seed: int = 0
+              ) -> dict[str, np.ndarray]:
+    """Pooled tau of each drafter under ``draws`` redraws of the prompts: ``rows_by_drafter[d]`` holds one list
+    of per-prompt rows per domain, the same prompts in the same order for every drafter; each draw takes every
+    domain's prompts with replacement (the same indices for every drafter). Returns [draws] per drafter."""
+    rng = np.random.default_rng(seed)
+    names = list(rows_by_drafter)
+    n_dom = len(rows_by_drafter[names[0]])
+    picks = [rng.integers(0, len(rows_by_drafter[names[0]][k]), size=(draws, len(rows_by_drafter[names[0]][k])))
+             for k in range(n_dom)]
+    out = {}
+    for d in names:
+        rounds = np.zeros(draws)
+        accepted = np.zeros(draws)
+        for k, doms in enumerate(rows_by_drafter[d]):
+            r = np.asarray([x["rounds"] for x in doms], np.float64)
+            a = np.asarray([x["accepted"] for x in doms], np.float64)
+            rounds += r[picks[k]].sum(axis=1)
+            accepted += a[picks[k]].sum(axis=1)
+        out[d] = 1.0 + accepted / rounds
+    return out
+
+
+def paired_rows(reports: dict, drafts: list[str], domains: list[str], first: int | None) -> dict:
+    """Per domain, the per-prompt rows of every drafter over the prompts all of them decoded, in one order."""
+    out = {}
+    for dom in domains:
+        by = {d: {r["request"] if "prompt" not in r else tuple(r["prompt"]): r
+                  for r in prompt_rows(reports[d, dom], first, f"{d}_{dom}.json")} for d in drafts}
+        shared = sorted(set.intersection(*(set(v) for v in by.values())))
+        out[dom] = {d: [by[d][k] for k in shared] for d in drafts}
+    return out
+
+
+def _interval(x: np.ndarray) -> list[float]:
+    return [float(np.percentile(x, 2.5)), float(np.percentile(x, 97.5))]
 
 
 def _fmt(x, digits=3):
@@ -56,7 +123,11 @@ def main(argv=None):
     p.add_argument("--drafts", nargs="+", default=["dflash", "dspark"])
     p.add_argument("--domains", nargs="+", default=["gsm8k", "mbpp", "livecodebench", "arena-hard", "mt-bench"])
     p.add_argument("--json", metavar="OUT", help="write the pooled numbers as JSON")
+    p.add_argument("--first", type=int, metavar="N",
+                   help="only the first N prompts of each report's file (what train.evaluate --limit N chose)")
     args = p.parse_args(argv)
+    if args.first is not None and args.first < 1:
+        p.error(f"--first: expected >= 1, got {args.first}")
     reports = {}
     for d in args.drafts:
         for dom in args.domains:
@@ -64,9 +135,27 @@ def main(argv=None):
             if not path.is_file():
                 raise SystemExit(f"missing report {path}: run train.evaluate --json {path} first")
             reports[d, dom] = json.loads(path.read_text())
+    kept = all("per_request" in r for r in reports.values())
+    if args.first is not None:
+        if not kept:
+            raise SystemExit("--first: every report needs per-prompt rows (rerun train.evaluate to write them)")
+        for (d, dom), r in list(reports.items()):  # tau only: calibration is not kept per prompt
+            reports[d, dom] = dict(tau_of(prompt_rows(r, args.first)), per_request=prompt_rows(r, args.first),
+                                   per_position=[{}], auroc=None)
+    intervals = {}
+    if kept:
+        paired = paired_rows(reports, args.drafts, args.domains, None)
+        for dom in args.domains + ["pooled"]:
+            doms = args.domains if dom == "pooled" else [dom]
+            draws = bootstrap({d: [paired[x][d] for x in doms] for d in args.drafts})
+            intervals[dom] = {d: _interval(draws[d]) for d in args.drafts}
+            if len(args.drafts) == 2:
+                intervals[dom]["ratio"] = _interval(draws[args.drafts[1]] / draws[args.drafts[0]])
     head = ["domain", "rounds"] + [f"tau {d}" for d in args.drafts]
+    head += [f"95% interval ({d})" for d in args.drafts] if intervals else []
     if len(args.drafts) == 2:
         head.append(f"{args.drafts[1]} / {args.drafts[0]}")
+        head += ["95% interval"] if intervals else []
     conf = [d for d in args.drafts if reports[d, args.domains[0]].get("ece_sts") is not None]
     for d in conf:
         head += [f"ECE raw ({d})", f"ECE STS ({d})", f"AUROC ({d})", f"AUROC pos. 1 ({d})"]
@@ -81,15 +170,23 @@ def main(argv=None):
         out[dom] = rs
         cells = [f"**{dom}**" if dom == "pooled" else dom, "/".join(str(rs[d]["rounds"]) for d in args.drafts)]
         cells += [_fmt(rs[d]["accept_len"]) for d in args.drafts]
+        span = lambda lo_hi, digits=3: f"{lo_hi[0]:.{digits}f}-{lo_hi[1]:.{digits}f}"  # noqa: E731
+        if intervals:
+            cells += [span(intervals[dom][d]) for d in args.drafts]
+            for d in args.drafts:
+                rs[d] = dict(rs[d], tau_interval=intervals[dom][d])
         if len(args.drafts) == 2:
             cells.append(_fmt(rs[args.drafts[1]]["accept_len"] / rs[args.drafts[0]]["accept_len"], 2))
+            if intervals:
+                cells.append(span(intervals[dom]["ratio"], 2))
+                rs["ratio_interval"] = intervals[dom]["ratio"]
         for d in conf:
             cells += [_fmt(rs[d]["ece_raw"], 4), _fmt(rs[d]["ece_sts"], 4), _fmt(rs[d]["auroc"]),
                       _fmt(rs[d]["first_position_auroc"])]
         lines.append("| " + " | ".join(cells) + " |")
     print("\n".join(lines))
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        atomic_write_text(args.json, json.dumps(out, indent=1) + "\n")
     return out
 
 
