@@ -146,3 +146,14 @@ def test_summary_cuts_to_first_prompts_and_gives_intervals(tmp_path):
     with pytest.raises(SystemExit, match="per-prompt rows"):
         summarize_eval.main(argv + ["--first", "2"])
     assert "ratio_interval" not in summarize_eval.main(argv)["pooled"]  # older reports: no intervals
+
+
+def test_evaluate_refuses_an_unwritable_report_before_decoding(tmp_path, capsys):
+    from train import evaluate
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["hi"]}\n')
+    with pytest.raises(SystemExit):
+        evaluate.main(["--prompts", str(prompts), "--json", str(tmp_path / "missing" / "r.json")])
+    err = capsys.readouterr().err
+    assert "--json: cannot write" in err and "missing does not exist" in err

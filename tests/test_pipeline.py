@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from dspark_jax.io import check_writable
 from train import pipeline
 
 
@@ -32,9 +33,9 @@ def fake_mains(calls, fail_on=None):
                 out = Path(argv[argv.index("--out") + 1])
                 out.mkdir(parents=True, exist_ok=True)
                 (out / "manifest.json").write_text(json.dumps({"settings": {"prompts": 64, "shard_prompts": 32}}))
-            if "--json" in argv:  # evaluate and summarize_eval write their report
+            if "--json" in argv:  # evaluate and summarize_eval write their report, into a folder that exists
                 path = Path(argv[argv.index("--json") + 1])
-                path.parent.mkdir(parents=True, exist_ok=True)
+                check_writable(path)
                 path.write_text("{}")
         return main
 

@@ -18,6 +18,7 @@ from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.calibration import STSSets
 from dspark_jax.sharding import mesh_from_args
 from dspark_jax.drafters import resolve_drafter
+from dspark_jax.io import check_writable
 from dspark_jax.evaluation import encode_chosen, evaluate_rounds, fixed_block_rounds, half_per_file
 from dspark_jax.timing import write_json
 
@@ -36,6 +37,11 @@ def main(argv=None):
     p.add_argument("--no-sts", action="store_true", help="ignore the drafter's STS temperatures")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args(argv)
+    if args.json:
+        try:
+            check_writable(args.json)  # before the decoding, not after it
+        except ValueError as e:
+            p.error(f"--json: {e}")
     chosen_per_file = half_per_file(args.prompts, args.half, args.limit)
     mesh = mesh_from_args(args)
     model = load_target(args.model, dtype=args.dtype, mesh=mesh)

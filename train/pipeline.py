@@ -234,6 +234,8 @@ def run(args: argparse.Namespace, mains: dict | None = None, log: Callable[[str]
                 if output is not None and output.is_file():
                     log(f"   {label}: {output} exists")
                     continue
+                if output is not None:
+                    output.parent.mkdir(parents=True, exist_ok=True)
                 log(f"   {label}: {' '.join(argv)}")
                 main(argv)
         finally:
