@@ -39,8 +39,7 @@ def fake_mains(calls, fail_on=None):
                 path.write_text("{}")
         return main
 
-    return {n: make(n) for n in ("generate_data", "build_cache", "train_drafter", "calibrate", "evaluate",
-                                 "summarize_eval")}
+    return {n: make(n) for n in pipeline.COMMANDS}
 
 
 def dev_prompts(tmp_path):
@@ -191,3 +190,39 @@ def test_build_cache_refuses_a_bad_shard_range(value, match, capsys, tmp_path):
     with pytest.raises(SystemExit):
         build_cache.main(["--data", str(tmp_path), "--out", str(tmp_path / "c"), "--shards", value])
     assert match in capsys.readouterr().err
+
+
+def test_commands_run_in_their_own_process(tmp_path, monkeypatch):
+    """A stage command is a child process: its status reaches the pipeline, and an interrupted wait hands the
+    child SIGINT, so that it unwinds (its ``finally`` runs) before the pipeline stops."""
+    (tmp_path / "sleeper.py").write_text(
+        "import sys, time\n"
+        "try:\n"
+        "    open(sys.argv[1] + '.started', 'w').close()\n"
+        "    time.sleep(60)\n"
+        "finally:\n"
+        "    open(sys.argv[1], 'w').write('unwound')\n")
+    (tmp_path / "failer.py").write_text("raise SystemExit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with pytest.raises(SystemExit, match="failer --x: exited with status 3"):
+        pipeline.command_in_process("failer")(["--x"])
+    marker = tmp_path / "marker"
+
+    old = signal.getsignal(signal.SIGALRM)
+    try:
+        main = pipeline.command_in_process("sleeper", grace_seconds=30)
+        deadline = time.monotonic() + 30
+
+        def arm_when_started(signum, frame):  # interrupt only once the child runs its try block
+            if (tmp_path / "marker.started").exists() or time.monotonic() > deadline:
+                raise KeyboardInterrupt
+            signal.setitimer(signal.ITIMER_REAL, 0.1)
+
+        signal.signal(signal.SIGALRM, arm_when_started)
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            main([str(marker)])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert marker.read_text() == "unwound"

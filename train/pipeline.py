@@ -6,7 +6,7 @@ head, and the evaluation of both on the held-out half of the dev prompts at temp
     python -m train.pipeline --out runs/short --shards 8 --steps 300      # a shorter run on the first 8 shards
     python -m train.pipeline --out runs/pipeline --kl 1.0 --tap-norm --layers 3   # recipe options, both drafters
 
-Stages, in order (each runs the command named, whose own progress it prints):
+Stages, in order (each runs the command named, in a process of its own, whose progress it prints):
 
     data              train.generate_data    answers in --data (shared by every --out; committed shards count)
     cache             train.build_cache      OUT/cache: the shards but the last --val-shards; OUT/val_cache: those
@@ -29,6 +29,8 @@ import argparse
 import datetime
 import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -83,12 +85,42 @@ def settings_of(args: argparse.Namespace) -> dict:
 Command = tuple[str, Callable[[list[str]], object], list[str], Path | None]  # label, main, argv, output (skip if present)
 
 
-def _mains():
-    """The stages' entry points (imported here: each loads JAX and the model code)."""
-    from train import build_cache, calibrate, evaluate, generate_data, summarize_eval, train_drafter  # noqa: PLC0415
+COMMANDS = ("generate_data", "build_cache", "train_drafter", "calibrate", "evaluate", "summarize_eval")
 
-    return dict(generate_data=generate_data.main, build_cache=build_cache.main, train_drafter=train_drafter.main,
-                calibrate=calibrate.main, evaluate=evaluate.main, summarize_eval=summarize_eval.main)
+
+def command_in_process(module: str, grace_seconds: float = 120.0) -> Callable[[Sequence[str]], None]:
+    """A main that runs ``python -m module ARGV`` in a child process and waits for it. Each command compiles
+    its own programs; in one long-lived process their machine code accumulates until the compiler cannot map
+    more (twenty evaluations in a row ended with LLVM's "Cannot allocate memory"), and a child returns all of
+    it. When the wait is interrupted (Ctrl-C, or SIGTERM through `exit_on_sigterm`) the child gets SIGINT, so
+    it unwinds as an interrupted command does (training saves its checkpoint), and is killed after
+    ``grace_seconds``.
+
+    Raises:
+      SystemExit: naming the command when it exits with a non-zero status.
+    """
+    def main(argv: Sequence[str]) -> None:
+        proc = subprocess.Popen([sys.executable, "-m", module, *argv])
+        try:
+            status = proc.wait()
+        except BaseException:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=grace_seconds)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            raise
+        if status != 0:
+            raise SystemExit(f"{module} {' '.join(argv)}: exited with status {status}")
+
+    return main
+
+
+def _mains():
+    """The stages' entry points: each command in a child process (`command_in_process`)."""
+    return {name: command_in_process(f"train.{name}") for name in COMMANDS}
 
 
 def count_shards(folder: Path) -> int:
