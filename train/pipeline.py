@@ -91,7 +91,7 @@ COMMANDS = ("generate_data", "build_cache", "train_drafter", "calibrate", "evalu
 def command_in_process(module: str, grace_seconds: float = 120.0) -> Callable[[Sequence[str]], None]:
     """A main that runs ``python -m module ARGV`` in a child process and waits for it. Each command compiles
     its own programs; in one long-lived process their machine code accumulates until the compiler cannot map
-    more (twenty evaluations in a row ended with LLVM's "Cannot allocate memory"), and a child returns all of
+    more (twelve evaluations in a row ended with LLVM's "Cannot allocate memory"), and a child returns all of
     it. When the wait is interrupted (Ctrl-C, or SIGTERM through `exit_on_sigterm`) the child gets SIGINT, so
     it unwinds as an interrupted command does (training saves its checkpoint), and is killed after
     ``grace_seconds``.
