@@ -98,12 +98,12 @@ def bootstrap(rows_by_drafter: dict[str, list[list[dict]]], draws: int = 2000, s
     return out
 
 
-def paired_rows(reports: dict, drafts: list[str], domains: list[str], first: int | None) -> dict:
+def paired_rows(reports: dict, drafts: list[str], domains: list[str]) -> dict:
     """Per domain, the per-prompt rows of every drafter over the prompts all of them decoded, in one order."""
     out = {}
     for dom in domains:
         by = {d: {r["request"] if "prompt" not in r else tuple(r["prompt"]): r
-                  for r in prompt_rows(reports[d, dom], first, f"{d}_{dom}.json")} for d in drafts}
+                  for r in prompt_rows(reports[d, dom], where=f"{d}_{dom}.json")} for d in drafts}
         shared = sorted(set.intersection(*(set(v) for v in by.values())))
         out[dom] = {d: [by[d][k] for k in shared] for d in drafts}
     return out
@@ -111,6 +111,10 @@ def paired_rows(reports: dict, drafts: list[str], domains: list[str], first: int
 
 def _interval(x: np.ndarray) -> list[float]:
     return [float(np.percentile(x, 2.5)), float(np.percentile(x, 97.5))]
+
+
+def _span(lo_hi: list[float], digits: int = 3) -> str:
+    return f"{lo_hi[0]:.{digits}f}-{lo_hi[1]:.{digits}f}"
 
 
 def _fmt(x, digits=3):
@@ -140,11 +144,11 @@ def main(argv=None):
         if not kept:
             raise SystemExit("--first: every report needs per-prompt rows (rerun train.evaluate to write them)")
         for (d, dom), r in list(reports.items()):  # tau only: calibration is not kept per prompt
-            reports[d, dom] = dict(tau_of(prompt_rows(r, args.first)), per_request=prompt_rows(r, args.first),
-                                   per_position=[{}], auroc=None)
+            rows = prompt_rows(r, args.first, f"{d}_{dom}.json")
+            reports[d, dom] = dict(tau_of(rows), per_request=rows, per_position=[{}], auroc=None)
     intervals = {}
     if kept:
-        paired = paired_rows(reports, args.drafts, args.domains, None)
+        paired = paired_rows(reports, args.drafts, args.domains)
         for dom in args.domains + ["pooled"]:
             doms = args.domains if dom == "pooled" else [dom]
             draws = bootstrap({d: [paired[x][d] for x in doms] for d in args.drafts})
@@ -170,15 +174,14 @@ def main(argv=None):
         out[dom] = rs
         cells = [f"**{dom}**" if dom == "pooled" else dom, "/".join(str(rs[d]["rounds"]) for d in args.drafts)]
         cells += [_fmt(rs[d]["accept_len"]) for d in args.drafts]
-        span = lambda lo_hi, digits=3: f"{lo_hi[0]:.{digits}f}-{lo_hi[1]:.{digits}f}"  # noqa: E731
         if intervals:
-            cells += [span(intervals[dom][d]) for d in args.drafts]
+            cells += [_span(intervals[dom][d]) for d in args.drafts]
             for d in args.drafts:
                 rs[d] = dict(rs[d], tau_interval=intervals[dom][d])
         if len(args.drafts) == 2:
             cells.append(_fmt(rs[args.drafts[1]]["accept_len"] / rs[args.drafts[0]]["accept_len"], 2))
             if intervals:
-                cells.append(span(intervals[dom]["ratio"], 2))
+                cells.append(_span(intervals[dom]["ratio"], 2))
                 rs["ratio_interval"] = intervals[dom]["ratio"]
         for d in conf:
             cells += [_fmt(rs[d]["ece_raw"], 4), _fmt(rs[d]["ece_sts"], 4), _fmt(rs[d]["auroc"]),
