@@ -193,11 +193,13 @@ def test_build_cache_refuses_a_bad_shard_range(value, match, capsys, tmp_path):
 
 
 def test_commands_run_in_their_own_process(tmp_path, monkeypatch):
-    """A stage command is a child process: its status reaches the pipeline, and an interrupted wait hands the
-    child SIGINT, so that it unwinds (its ``finally`` runs) before the pipeline stops."""
+    """A stage command is a child process in a group of its own: its status reaches the pipeline, and an
+    interrupted wait hands the child SIGINT, so that it unwinds (its ``finally`` runs) before the pipeline
+    stops."""
     (tmp_path / "sleeper.py").write_text(
-        "import sys, time\n"
+        "import os, sys, time\n"
         "try:\n"
+        "    open(sys.argv[1] + '.group', 'w').write(str(os.getpgid(0)))\n"
         "    open(sys.argv[1] + '.started', 'w').close()\n"
         "    time.sleep(60)\n"
         "finally:\n"
@@ -226,3 +228,5 @@ def test_commands_run_in_their_own_process(tmp_path, monkeypatch):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     assert marker.read_text() == "unwound"
+    # its own process group: a terminal's Ctrl-C reaches it only through the pipeline, once
+    assert int((tmp_path / "marker.group").read_text()) != os.getpgid(0)

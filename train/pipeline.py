@@ -94,13 +94,14 @@ def command_in_process(module: str, grace_seconds: float = 120.0) -> Callable[[S
     more (twelve evaluations in a row ended with LLVM's "Cannot allocate memory"), and a child returns all of
     it. When the wait is interrupted (Ctrl-C, or SIGTERM through `exit_on_sigterm`) the child gets SIGINT, so
     it unwinds as an interrupted command does (training saves its checkpoint), and is killed after
-    ``grace_seconds``.
+    ``grace_seconds``. The child has a process group of its own, so a Ctrl-C at the terminal reaches it once,
+    through the pipeline, and not a second time in the middle of that unwinding.
 
     Raises:
       SystemExit: naming the command when it exits with a non-zero status.
     """
     def main(argv: Sequence[str]) -> None:
-        proc = subprocess.Popen([sys.executable, "-m", module, *argv])
+        proc = subprocess.Popen([sys.executable, "-m", module, *argv], process_group=0)
         try:
             status = proc.wait()
         except BaseException:
