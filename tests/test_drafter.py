@@ -249,3 +249,20 @@ def test_tap_norm_puts_every_tap_on_one_scale(tmp_path):
     back, _ = load_drafter(tmp_path / "d")
     assert back.cfg.tap_norm
     np.testing.assert_allclose(back.context_features(taps), d.context_features(taps), rtol=1e-2, atol=1e-2)
+
+
+def test_tap_scale_is_applied_alike_to_few_and_many_tokens():
+    """The per-tap scale multiplies the taps of a call with fewer tokens than the width (a decoding round: no
+    rewrite of the whole projection kernel) and the kernel otherwise (training); both are the same function:
+    each token's features do not depend on how many tokens share its call."""
+    cfg = dr.DrafterConfig.for_target(TARGET, rank=8, block=4, n_layers=1, ffn_dim=48, tap_norm=True)
+    d = dr.Drafter(cfg, rngs=nnx.Rngs(0))
+    d.tap_scale[...] = 1.0 + 0.5 * jax.random.normal(jax.random.key(3), d.tap_scale[...].shape)
+    many = TARGET.dim + 8  # rows >= width: the kernel path
+    taps = jax.random.normal(jax.random.key(4), (many, cfg.n_taps, TARGET.dim))
+    every = d.context_features(taps)
+    few = jnp.concatenate([d.context_features(taps[i:i + 5]) for i in range(0, 15, 5)])  # 5 rows < width each
+    np.testing.assert_allclose(few, every[:15], rtol=1e-5, atol=1e-5)
+    unscaled = dr.Drafter(cfg, rngs=nnx.Rngs(0))  # tap_scale all ones: a different function on both paths
+    assert not np.allclose(unscaled.context_features(taps[:5]), few[:5], atol=1e-3)
+    assert not np.allclose(unscaled.context_features(taps)[:5], every[:5], atol=1e-3)

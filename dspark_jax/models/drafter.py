@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -257,9 +258,14 @@ class Drafter(nnx.Module):
         if self.cfg.tap_norm:
             t = taps.astype(jnp.float32)
             taps = t * jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + self.cfg.norm_eps)
-            # (t * s) @ W as t @ (s * W): the same product, but the gradient of the scale s is then read off the
-            # kernel's gradient ([M * D, D]) instead of a pass back over every context token's taps.
-            kernel = (self.tap_scale[...].reshape(-1, 1) * kernel.astype(jnp.float32)).astype(kernel.dtype)
+            scale = self.tap_scale[...]  # [M, D]
+            if math.prod(taps.shape[:-2]) < kernel.shape[1]:  # fewer tokens than D: scale the [..., M, D] taps
+                taps = taps * scale
+            else:
+                # (t * s) @ W as t @ (s * W): the same product, cheaper over many tokens, and the gradient of the
+                # scale s is then read off the kernel's gradient ([M * D, D]) instead of a pass back over every
+                # context token's taps. A round's few tokens would rewrite the whole kernel instead.
+                kernel = (scale.reshape(-1, 1) * kernel.astype(jnp.float32)).astype(kernel.dtype)
         flat = taps.reshape(*taps.shape[:-2], -1).astype(kernel.dtype)
         return self.ctx_norm(flat @ kernel)
 
