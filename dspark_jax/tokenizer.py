@@ -217,6 +217,20 @@ def _read_json(path: Path, required: bool = False) -> dict[str, Any]:
     return read_json_object(path, required=required, missing="missing (a Hugging Face checkpoint folder needs it)")
 
 
+def _sentencepiece_pipeline(backend: _HFTokenizer, *, legacy: bool, add_prefix_space: bool) -> None:
+    """Give a SentencePiece-style BPE (``tokenizer_class`` LlamaTokenizer: Llama 2, Mistral) the text pipeline
+    transformers builds for that class, whatever ``tokenizer.json`` stores: no normalizer, a Metaspace
+    pre-tokenizer that marks the start of the text alone (``legacy`` false, the default) or every piece
+    between special tokens (``legacy`` true), or nothing (``add_prefix_space`` false). The stored files of
+    these models prepend "▁" to every piece, which would put one after each special token of a chat prompt
+    ("<s>[INST]" became "<s>", "▁[INST]")."""
+    scheme = ("always" if legacy else "first") if add_prefix_space else "never"
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_prefix_space else []))
+
+
 class HFTokenizer:
     """Encode, decode and chat-template text for a Hugging Face checkpoint folder.
 
@@ -280,6 +294,9 @@ class HFTokenizer:
             raise ValueError(f"{path}: not a readable tokenizers file: {e}") from e
         cfg_path = folder / "tokenizer_config.json"
         cfg = _read_json(cfg_path)
+        if cfg.get("tokenizer_class") in ("LlamaTokenizer", "LlamaTokenizerFast"):
+            _sentencepiece_pipeline(backend, legacy=bool(cfg.get("legacy", False)),
+                                    add_prefix_space=cfg.get("add_prefix_space", True) is not False)
         special_map = _read_json(folder / "special_tokens_map.json")  # legacy file: fills what the config lacks
         gen_path = folder / "generation_config.json"
         if not gen_path.is_file():  # as transformers does: the generation defaults then come from config.json
@@ -303,8 +320,8 @@ class HFTokenizer:
             template = named["default"]
         if template is not None and not isinstance(template, str):
             raise ValueError(f"{cfg_path}: field 'chat_template' must be a string; got {type(template).__name__}")
-        stops = gen.get("eos_token_id", [])
-        stops = [stops] if isinstance(stops, int) else stops
+        stops = gen.get("eos_token_id")
+        stops = [] if stops is None else [stops] if isinstance(stops, int) else stops
         if not isinstance(stops, list) or not all(isinstance(i, int) for i in stops):
             raise ValueError(f"{gen_path}: field 'eos_token_id' must be an int or a list of ints; got {stops!r}")
         return cls(backend, eos_token=special("eos_token"), bos_token=special("bos_token"),

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402,E501
 
 from dspark_jax.build import build_engine, load_target  # noqa: E402
 from dspark_jax.chat_template import ChatTemplateError, render_chat_template  # noqa: E402
@@ -252,6 +252,43 @@ def test_tokenizer_matches_transformers(folders):
     stream = ours.stream()
     text = "héllo 東京 🙂"
     assert "".join(stream.push(i) for i in ours.encode(text)) + stream.flush() == text
+
+
+LLAMA2_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
+                   "' [/INST]' }}{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("flags", [{"legacy": False}, {}, {"legacy": True}, {"add_prefix_space": False}])
+def test_sentencepiece_style_tokenizer_matches_transformers(tmp_path, flags):
+    """A Llama 2 / Mistral-style folder (tokenizer_class LlamaTokenizer, byte-fallback BPE whose stored
+    normalizer prepends "▁" to every piece): transformers rebuilds its pipeline from the class, so no "▁"
+    follows a special token unless ``legacy`` is true; ours must give the same ids, chat prompts and text."""
+    tk = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    lines = [c.replace(" ", "\u2581") for c in CORPUS] + ["[INST] hi there [/INST] fine"] * 5
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    tk.train_from_iterator(lines, trainer)
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tk.save(str(tmp_path / "tokenizer.json"))
+    cfg = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>",
+           "unk_token": "<unk>", "chat_template": LLAMA2_TEMPLATE, **flags}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2, "bos_token_id": 1}))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = HFTokenizer.from_folder(tmp_path)
+    for text in ["hi there", " two  spaces", "héllo 東京 🙂 x", "a</s>b<s> c"]:
+        want = ref.encode(text)
+        assert ours.encode(text, add_special=True) == want, text
+        assert ours.decode(want) == ref.decode(want, skip_special_tokens=True)
+    conversation = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "fine"},
+                    {"role": "user", "content": "héllo"}]
+    want = ref.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert ours.encode_chat(conversation) == list(want)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))  # null: the EOS alone
+    assert HFTokenizer.from_folder(tmp_path).stop_ids == (2,)
 
 
 def test_template_errors_and_sandbox():
