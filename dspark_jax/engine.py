@@ -234,6 +234,8 @@ class SamplingParams:
         (not on its id or the batch). None: the engine's seed and the request id.
       stop_token_ids: tokens that end this request (with the engine's own stop ids); the stop token is
         the last output token, as for the engine's stop ids.
+      ignore_eos: the engine's own stop ids (the model's end-of-sequence tokens) do not end this request: it
+        runs to its budget (benchmarks that need answers of a set length); ``stop_token_ids`` still end it.
 
     >>> SamplingParams(temperature=0.7, top_p=0.9, seed=3).top_p
     0.9
@@ -243,6 +245,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self):
         t = self.temperature
@@ -256,6 +259,8 @@ class SamplingParams:
         if not all(isinstance(i, (int, np.integer)) and i >= 0 for i in ids):
             raise ValueError(f"stop_token_ids: expected token ids >= 0, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
 
 
 @jax.tree_util.register_dataclass
@@ -273,6 +278,7 @@ class EngineState:
     top_p: jax.Array  # float32 [S] the request's nucleus mass (1: all tokens)
     generated: jax.Array  # int32 [S] tokens emitted so far
     max_new: jax.Array  # int32 [S]
+    eos_stops: jax.Array  # bool [S] the engine's stop ids end the slot's request (False: it ignores them)
     conf_hist: jax.Array  # float32 [2, S, G] calibrated confidences of the last two rounds (0 = latest)
     gate: gate.GateState  # the drafter gate's survival averages, acceptance sums and skip counter
 
@@ -288,7 +294,7 @@ def engine_state_axes(state: EngineState):
         cache=kv_cache_axes(len(state.cache.k)), dcache=None if state.dcache is None else drafter_cache_axes(),
         anchor=Axes("slots"), active=Axes("slots"), request=Axes("slots"), seed=Axes("slots"),
         temperature=Axes("slots"), top_p=Axes("slots"), generated=Axes("slots"),
-        max_new=Axes("slots"), conf_hist=Axes(None, "slots", None),
+        max_new=Axes("slots"), eos_stops=Axes("slots"), conf_hist=Axes(None, "slots", None),
         gate=gate.GateState(survival=Axes("slots", None), global_survival=Axes(None), accept_seen=Axes(None),
                             skipped=Axes()))
 
@@ -506,6 +512,7 @@ class Engine:
         self.slot_context = np.zeros(S, bool)  # the request in the slot has the drafter's context
         self.slot_greedy = np.ones(S, bool)  # the request in the slot decodes greedily (temperature 0)
         self._extra_stops: dict[int, frozenset[int]] = {}  # request id -> its own stop token ids
+        self._ignore_eos: set[int] = set()  # active or queued requests the engine's stop ids do not end
         self.admissions = {"context": 0, "no_context": 0}  # requests admitted with and without it
         self.drafter_offs: list[tuple[int, int]] = []  # (round index, row bucket) where the drafter was switched off
         self.requests: dict[int, Completion] = {}
@@ -546,7 +553,7 @@ class Engine:
             cache=cache, dcache=dcache, anchor=jnp.zeros(S, jnp.int32), active=jnp.zeros(S, bool),
             request=jnp.zeros(S, jnp.int32), generated=jnp.zeros(S, jnp.int32), max_new=jnp.zeros(S, jnp.int32),
             seed=jnp.full(S, c.seed, jnp.int32), temperature=jnp.full(S, c.temperature, jnp.float32),
-            top_p=jnp.ones(S, jnp.float32),
+            top_p=jnp.ones(S, jnp.float32), eos_stops=jnp.ones(S, bool),
             conf_hist=jnp.full((2, S, self.G), c.prior_confidence, jnp.float32), gate=self._init_gate(),
         )
 
@@ -579,6 +586,8 @@ class Engine:
         self.requests[rid] = Completion(rid, prompt_ids, [], False)
         if sampling.stop_token_ids:
             self._extra_stops[rid] = frozenset(sampling.stop_token_ids)
+        if sampling.ignore_eos:
+            self._ignore_eos.add(rid)
         self.pending.append((rid, prompt_ids, int(max_new_tokens), sampling))
         return rid
 
@@ -604,7 +613,7 @@ class Engine:
                 return False
             self._release(int(slots[0]))
         self.requests[request_id].cancelled = True
-        self._extra_stops.pop(request_id, None)
+        self._forget_stops(request_id)
         self.finished_ids.append(request_id)
         return True
 
@@ -612,6 +621,14 @@ class Engine:
         """Free ``slot`` (host mirror and device state); its cache rows are overwritten by the next admission."""
         self.slot_request[slot] = -1
         self.state = _free_slot(self.state, jnp.int32(slot))
+
+    def _forget_stops(self, rid: int) -> None:
+        self._extra_stops.pop(rid, None)
+        self._ignore_eos.discard(rid)
+
+    def _eos_ends(self, rid: int, token) -> bool:
+        """Whether ``token`` is one of the engine's stop ids and ends request ``rid`` (not under ignore_eos)."""
+        return rid not in self._ignore_eos and bool(np.isin(token, self.stop_ids))
 
     def _stop_cut(self, rid: int, tokens) -> int | None:
         """With the request's own stop ids: the number of ``tokens`` up to and including the first of them, else
@@ -645,9 +662,9 @@ class Engine:
             self._emit(rid, [first])
             emitted += 1
             if done:
-                self.requests[rid].finished_by_stop = bool(np.isin(first, self.stop_ids)) or (
+                self.requests[rid].finished_by_stop = self._eos_ends(rid, first) or (
                     self._stop_cut(rid, [first]) is not None)
-                self._extra_stops.pop(rid, None)
+                self._forget_stops(rid)
                 self.finished_ids.append(rid)
                 continue
             free.pop(0)
@@ -684,10 +701,10 @@ class Engine:
                                                      write_context=self.drafter is not None and context)
         first = int(_sample_first(logits, jnp.int32(key_id), jnp.int32(len(prompt)), jnp.float32(temp),
                                   jnp.float32(top_p), jnp.int32(seed), greedy=temp == 0))
-        finished = max_new <= 1 or bool(np.isin(first, self.stop_ids)) or self._stop_cut(rid, [first]) is not None
+        finished = max_new <= 1 or self._eos_ends(rid, first) or self._stop_cut(rid, [first]) is not None
         self.state = _admit_slot(st.replace(cache=cache, dcache=dcache), jnp.int32(slot), jnp.int32(key_id),
                                  jnp.int32(first), jnp.int32(max_new), jnp.bool_(not finished), jnp.int32(seed),
-                                 jnp.float32(temp), jnp.float32(top_p))
+                                 jnp.float32(temp), jnp.float32(top_p), jnp.bool_(rid not in self._ignore_eos))
         return first, finished
 
     def _prefill_caches(self, cache, dcache, slot: int, prompt: Sequence[int], *, write_context: bool):
@@ -850,8 +867,8 @@ class Engine:
             total += len(tokens)
             self.slot_length[s] = new_len[i]
             if finished[i] or cut is not None:
-                self.requests[rid].finished_by_stop = bool(np.isin(tokens[-1], self.stop_ids)) or cut is not None
-                self._extra_stops.pop(rid, None)
+                self.requests[rid].finished_by_stop = self._eos_ends(rid, tokens[-1]) or cut is not None
+                self._forget_stops(rid)
                 self.finished_ids.append(rid)
                 if finished[i]:
                     self.slot_request[s] = -1
@@ -995,8 +1012,9 @@ def _free_slot(state, slot):
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _admit_slot(state, slot, request, first, max_new, live, seed, temperature, top_p):
+def _admit_slot(state, slot, request, first, max_new, live, seed, temperature, top_p, eos_stops):
     return state.replace(
+        eos_stops=state.eos_stops.at[slot].set(eos_stops),
         anchor=state.anchor.at[slot].set(first),
         active=state.active.at[slot].set(live),
         request=state.request.at[slot].set(request),
@@ -1179,7 +1197,8 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, dr
     drafts_g = jnp.pad(drafts, ((0, 0), (0, G - Gv)))  # [R, G]
     emitted = jnp.where(jnp.arange(G + 1)[None, :] < n_acc[:, None], jnp.pad(drafts_g, ((0, 0), (0, 1))), 0)
     emitted = emitted.at[jnp.arange(R), n_acc].set(nxt)
-    is_stop = jnp.isin(emitted, stop_ids) & (jnp.arange(G + 1)[None, :] <= n_acc[:, None])
+    is_stop = (jnp.isin(emitted, stop_ids) & state.eos_stops[rows][:, None]
+               & (jnp.arange(G + 1)[None, :] <= n_acc[:, None]))
     first_stop = jnp.where(is_stop.any(axis=1), jnp.argmax(is_stop, axis=1), G + 1)
     remaining = state.max_new[rows] - state.generated[rows]
     counts = jnp.minimum(jnp.minimum(n_acc + 1, first_stop + 1), remaining)

@@ -151,10 +151,34 @@ def test_stop_token_ids_and_cancel(model, drafter):
     assert sorted(e.finished_ids) == sorted([a, b, c, d, f])
 
 
+def test_ignore_eos_runs_to_the_budget(model, drafter):
+    """With ignore_eos the engine's stop ids do not end a request, in the first token or in any round, while its
+    own stop ids still do; the output is plain decoding's without stop ids. Its neighbours still stop."""
+    ps = prompts(3, seed=9)
+    ref, _ = plain_generate(model, ps, 14, 0.0, num_slots=2, stop_ids=[], capacity=64)
+    first = ref[0].output_ids[0]  # ends at admission unless ignored
+    later = ref[1].output_ids[5]  # ends a round's accepted drafts unless ignored
+    own = ref[2].output_ids[6]
+    e = eng.Engine(model, drafter, "fixed:3", eng.EngineConfig(num_slots=3, capacity=64), stop_ids=[first, later])
+    a = e.submit(ps[0], 14, eng.SamplingParams(ignore_eos=True))
+    b = e.submit(ps[1], 14, eng.SamplingParams(ignore_eos=True))
+    c = e.submit(ps[2], 14, eng.SamplingParams(ignore_eos=True, stop_token_ids=(own,)))
+    d = e.submit(ps[1], 14)  # the same prompt without ignore_eos stops at the engine's stop id
+    while not e.idle():
+        e.step()
+    assert e.requests[a].output_ids == ref[0].output_ids and not e.requests[a].finished_by_stop
+    assert e.requests[b].output_ids == ref[1].output_ids and not e.requests[b].finished_by_stop
+    cut = ref[2].output_ids.index(own) + 1
+    assert e.requests[c].output_ids == ref[2].output_ids[:cut] and e.requests[c].finished_by_stop
+    stop_at = min(ref[1].output_ids.index(t) for t in (first, later) if t in ref[1].output_ids) + 1
+    assert e.requests[d].output_ids == ref[1].output_ids[:stop_at] and e.requests[d].finished_by_stop
+    assert e.summary()["drafts_per_request"] > 0
+
+
 def test_bad_sampling_is_rejected():
     for kw, msg in (({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
                     ({"seed": -3}, "seed"), ({"stop_token_ids": (-1,)}, "stop_token_ids"),
-                    ({"temperature": float("nan")}, "temperature")):
+                    ({"temperature": float("nan")}, "temperature"), ({"ignore_eos": "yes"}, "ignore_eos")):
         with pytest.raises(ValueError, match=msg):
             eng.SamplingParams(**kw)
 
