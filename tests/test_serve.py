@@ -170,6 +170,65 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(served):
     assert metric(served, "dspark_requests_received_total") == received + 1  # bad ones never reached the engine
 
 
+def test_fields_other_clients_send(served, monkeypatch):
+    """What benchmark and agent clients send beside the basics: vLLM's ignore_eos reaches the engine; a
+    developer turn is a system turn; an assistant turn may have null content; a Hugging Face id ending in the
+    served name, null n and stream, 64-bit seeds and a lower-case bearer scheme are accepted; what the server
+    cannot do (logprobs, echo, tools, a JSON response format, tool turns) is refused by name, not ignored; a
+    conversation the chat template refuses is a 400 in OpenAI's shape; every chunk of a stream has one
+    `created`."""
+    from dspark_jax.chat_template import ChatTemplateError
+
+    url, auth = f"{served.url}/v1", {"Authorization": f"Bearer {KEY}"}
+    msgs = [{"role": "user", "content": "Hi"}]
+
+    def post(path, body, headers=auth):
+        return httpx.post(f"{url}/{path}", json={"model": MODEL, "max_tokens": 4, "temperature": 0, **body},
+                          headers=headers, timeout=60)
+
+    seen = []
+    submit = served.worker.submit
+    monkeypatch.setattr(served.worker, "submit", lambda req: seen.append(req.sampling) or submit(req))
+    assert post("completions", {"prompt": "Hi", "ignore_eos": True}).status_code == 200
+    assert seen[-1].ignore_eos
+    assert post("completions", {"prompt": "Hi"}).status_code == 200 and not seen[-1].ignore_eos
+
+    def answer(body, path="chat/completions", **kw):
+        r = post(path, body, **kw)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message" if path.startswith("chat") else "text"]
+
+    system = answer({"messages": [{"role": "system", "content": "Be brief."}, *msgs]})
+    assert answer({"messages": [{"role": "developer", "content": "Be brief."}, *msgs]}) == system
+    answer({"messages": [*msgs, {"role": "assistant", "content": None}, *msgs]})
+    answer({"messages": msgs, "model": f"HuggingFaceTB/{MODEL}", "n": None, "stream": None, "logprobs": False,
+            "tools": [], "response_format": {"type": "text"}, "presence_penalty": 0.5, "user": "u1"})
+    answer({"messages": msgs}, headers={"Authorization": f"bearer {KEY}"})
+    big = 2**40 + 12345
+    hot = {"prompt": "Once", "temperature": 1.0, "max_tokens": 6}
+    assert answer({**hot, "seed": big}, "completions") == answer({**hot, "seed": big % 2**31}, "completions")
+    for body, param in (({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+                        ({"echo": True}, "echo"), ({"response_format": {"type": "json_object"}}, "response_format"),
+                        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
+        r = post("chat/completions", {"messages": msgs, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = post("chat/completions", {"messages": [*msgs, {"role": "tool", "content": "42"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.role"
+    r = post("chat/completions", {"messages": [{"role": "user", "content": None}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+
+    def refuse(*a, **k):
+        raise ChatTemplateError("Conversation roles must alternate user/assistant")
+
+    monkeypatch.setattr(served.tok, "encode_chat", refuse)
+    r = post("chat/completions", {"messages": msgs})
+    assert r.status_code == 400 and "alternate" in r.json()["error"]["message"]
+    monkeypatch.undo()
+    stream = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True})
+    assert len({chunk.created for chunk in stream}) == 1
+
+
 def test_overfilled_queue_refuses_the_excess_and_completes_the_rest(served):
     worker = served.worker
     received = metric(served, "dspark_requests_received_total")

@@ -3,12 +3,15 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the model's chat template),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
-Per request: ``temperature`` (0..2; omitted: the server's ``--temperature``), ``top_p`` (0..1], ``seed``,
-``max_tokens`` (chat also ``max_completion_tokens``), ``stop`` (strings: the text is cut before the first one,
-as OpenAI does), ``stop_token_ids`` (as vLLM's), ``stream`` with ``stream_options.include_usage``; ``n`` must be
-1. Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad body (bad
-JSON, a value out of range, a prompt longer than the context), 401 without the ``--api-key``, 404 for an
-unknown model, 429 when the queue is full, 503 when shutting down or after the queue timeout.
+Per request: ``temperature`` (0..2; omitted: the server's ``--temperature``), ``top_p`` (0..1], ``seed`` (any
+integer, taken modulo 2**31), ``max_tokens`` (chat also ``max_completion_tokens``), ``stop`` (strings: the text
+is cut before the first one, as OpenAI does), ``stop_token_ids`` and ``ignore_eos`` (as vLLM's), ``stream`` with
+``stream_options.include_usage``; ``n`` must be 1. What the server cannot do is refused rather than ignored:
+``logprobs``, ``top_logprobs``, ``echo``, ``tools`` and a ``response_format`` other than text. Other fields
+(penalties, ``logit_bias``, ``user``, ...) are ignored. Errors are OpenAI's shape, ``{"error": {"message",
+"type", "param", "code"}}``: 400 for a bad body (bad JSON, a value out of range, a prompt longer than the
+context, a conversation the chat template refuses), 401 without the ``--api-key``, 404 for an unknown model,
+429 when the queue is full, 503 when shutting down or after the queue timeout.
 """
 
 from __future__ import annotations
@@ -49,12 +52,33 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=0)  # reduced modulo 2**31 (OpenAI's seeds are 64-bit)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    stream: bool = False
+    ignore_eos: bool | None = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only one choice per request")
+    n: int | None = Field(1, ge=1, le=1, description="only one choice per request")
+    # Refused when asked for (see `unsupported`); accepted at their "off" values, which clients send by default.
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    echo: bool | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field asking for something this server does not do, else None."""
+        if self.logprobs not in (None, False, 0):
+            return "logprobs"
+        if self.top_logprobs:
+            return "top_logprobs"
+        if self.echo:
+            return "echo"
+        if self.tools:
+            return "tools"
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        return None
 
 
 class CompletionRequest(_Sampling):
@@ -64,10 +88,12 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
+    """A turn: ``developer`` is taken as ``system``; an assistant turn may have no content (null)."""
+
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
-    content: str | list[dict[str, Any]]
+    role: str
+    content: str | list[dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -209,10 +235,15 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
         return PlainTextResponse(prometheus_text(worker.metrics(), model_name, extra),
                                  media_type="text/plain; version=0.0.4")
 
-    def check_model(body: _Sampling):
-        if body.model != model_name:
+    def check_request(body: _Sampling):
+        # the served name, or a Hugging Face id ending in it ("HuggingFaceTB/SmolLM2-135M-Instruct")
+        if body.model != model_name and body.model.rsplit("/", 1)[-1] != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
+        field = body.unsupported()
+        if field is not None:
+            raise APIError(400, f"{field}: not supported by this server (leave it unset)", param=field,
+                           code="unsupported_parameter")
 
     def make_request(body: _Sampling, prompt_ids: list[int], max_tokens: int | None) -> tuple[GenerationRequest,
                                                                                               list[str]]:
@@ -234,8 +265,9 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise APIError(400, f"prompt: token ids must lie in [0, {vocab})", param="prompt")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        seed = None if body.seed is None else body.seed % (MAX_SEED + 1)
         sampling = SamplingParams(temperature=body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
-                                  seed=body.seed, stop_token_ids=stop_ids)
+                                  seed=seed, stop_token_ids=stop_ids, ignore_eos=bool(body.ignore_eos))
         return GenerationRequest(prompt_ids, int(max_tokens), sampling), stop
 
     async def run(request: Request, body: _Sampling, prompt_ids: list[int], max_tokens: int | None, chat: bool):
@@ -249,6 +281,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
         hidden = set(int(t) for t in engine.stop_ids) | set(req.sampling.stop_token_ids)
         text = TextStream(tokenizer, stop, hidden)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        started = int(time.time())  # every chunk of the answer carries the same `created`
         first = await _next_event(request, events, worker, req)
         if first is None:
             return JSONResponse({}, status_code=499)
@@ -293,7 +326,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
             choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
                        "finish_reason": reason} if chat else
                       {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
-            return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": started,
                     "model": model_name, "choices": [choice], "usage": usage()}
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -307,8 +340,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
                 choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
             else:
                 choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
-            return _sse({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                         "choices": [choice]})
+            return _sse({"id": rid, "object": obj, "created": started, "model": model_name, "choices": [choice]})
 
         async def stream():
             finished = False
@@ -322,7 +354,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
                         yield chunk(None if chat else "", reason)
                         finished = True
                 if include_usage:
-                    yield _sse({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                    yield _sse({"id": rid, "object": obj, "created": started, "model": model_name,
                                 "choices": [], "usage": usage()})
                 yield "data: [DONE]\n\n"
             finally:
@@ -334,7 +366,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        check_model(body)
+        check_request(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -346,18 +378,28 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
-        check_model(body)
+        check_request(body)
         turns = []
         for i, m in enumerate(body.messages):
-            if isinstance(m.content, str):
-                content = m.content
+            role = "system" if m.role == "developer" else m.role
+            if role not in ("system", "user", "assistant"):
+                raise APIError(400, f"messages.{i}.role: {m.role!r} is not supported (system, developer, user, "
+                                    f"assistant; no tool calling)", param=f"messages.{i}.role")
+            if m.content is None and role != "assistant":
+                raise APIError(400, f"messages.{i}.content: a {m.role} message needs content",
+                               param=f"messages.{i}.content")
+            if m.content is None or isinstance(m.content, str):
+                content = m.content or ""
             else:
                 if not all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in m.content):
                     raise APIError(400, f"messages.{i}.content: only text parts are supported",
                                    param=f"messages.{i}.content")
                 content = "".join(p["text"] for p in m.content)
-            turns.append({"role": m.role, "content": content})
-        ids = tokenizer.encode_chat(turns)
+            turns.append({"role": role, "content": content})
+        try:
+            ids = tokenizer.encode_chat(turns)
+        except ValueError as e:  # the template refuses the conversation (ChatTemplateError), or has none
+            raise APIError(400, f"messages: {e}", param="messages") from None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return await run(request, body, ids, limit, chat=True)
 
@@ -369,12 +411,13 @@ class _KeyCheck:
     Plain ASGI (not `BaseHTTPMiddleware`) so streaming responses and disconnects pass through untouched."""
 
     def __init__(self, app, key: str):
-        self.app, self.expected = app, f"Bearer {key}".encode()
+        self.app, self.expected = app, key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            # the scheme is case-insensitive (RFC 9110); the key is compared in constant time
+            if not (hmac.compare_digest(given.strip(), self.expected) and scheme.lower() == b"bearer"):
                 response = _error_response(401, "a valid API key is required: Authorization: Bearer <key>",
                                            "authentication_error", code="invalid_api_key")
                 await response(scope, receive, send)
