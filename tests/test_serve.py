@@ -257,9 +257,14 @@ def test_stop_strings_cut_the_text(served):
     text = full.choices[0].text
     assert len(text) > 4
     stop = text[2:4]
+    stopped = metric(served, "dspark_requests_finished_total", 'reason="stop"')
     cut = served.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
                                            stop=[stop])
     assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    deadline = time.monotonic() + 30  # the engine thread counts it when it frees the slot
+    while metric(served, "dspark_requests_finished_total", 'reason="stop"') < stopped + 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_worker_drains_on_stop_and_times_out_waiting_requests():

@@ -306,7 +306,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
                     for token in event.tokens:  # one chunk per token, as the round committed them
                         delta = text.push([token])
                         if text.stopped:
-                            worker.cancel(req)
+                            worker.cancel(req, "stop")
                             yield delta, "stop"
                             return
                         if delta:

@@ -114,7 +114,7 @@ class EngineWorker:
         self.engine, self.max_queued, self.queue_timeout, self.idle_wait = engine, max_queued, queue_timeout, idle_wait
         self._lock = threading.Condition()
         self._inbox: deque[GenerationRequest] = deque()
-        self._cancels: deque[GenerationRequest] = deque()
+        self._cancels: deque[tuple[GenerationRequest, str]] = deque()
         self._by_id: dict[int, GenerationRequest] = {}
         self._engine_pending = 0  # the engine's queue length, as of the thread's last look
         self._stopping = False
@@ -168,10 +168,11 @@ class EngineWorker:
             self._lock.notify_all()
         return req.events
 
-    def cancel(self, req: GenerationRequest) -> None:
-        """Stop ``req`` (its client left, or a stop string ended it); its slot is freed before the next round."""
+    def cancel(self, req: GenerationRequest, reason: str = "cancelled") -> None:
+        """Stop ``req`` (its client left: ``cancelled``; a stop string ended it: ``stop``, the reason the metrics
+        count); its slot is freed before the next round."""
         with self._lock:
-            self._cancels.append(req)
+            self._cancels.append((req, reason))
             self._lock.notify_all()
 
     def metrics(self) -> Metrics:
@@ -189,7 +190,7 @@ class EngineWorker:
     def _on_token(self, rid: int, token: int) -> None:
         self._new_tokens.setdefault(rid, []).append(token)
 
-    def _take_inbox(self) -> tuple[list[GenerationRequest], list[GenerationRequest]]:
+    def _take_inbox(self) -> tuple[list[GenerationRequest], list[tuple[GenerationRequest, str]]]:
         with self._lock:
             while not self._inbox and not self._cancels and self.engine.idle() and not self._stopping:
                 self._lock.wait(self.idle_wait)
@@ -230,10 +231,10 @@ class EngineWorker:
                 self._by_id[req.request_id] = req
                 with self._lock:
                     self._metrics.prompt_tokens += len(req.prompt_ids)
-            for req in cancels:
+            for req, reason in cancels:
                 if req.request_id is not None and req.request_id in self._by_id and eng.cancel(req.request_id):
                     with self._lock:
-                        self._finish(req, "cancelled")
+                        self._finish(req, reason)
             with self._lock:
                 self._engine_pending = len(eng.pending)
                 self._metrics.running = int((eng.slot_request >= 0).sum())
