@@ -378,6 +378,41 @@ def test_unsupported_config_fields(bad, changes, message):
         read_hf_config(bad)
 
 
+def _drop_config(folder, *names):
+    raw = json.loads((folder / "config.json").read_text())
+    for name in names:
+        raw.pop(name, None)
+    (folder / "config.json").write_text(json.dumps(raw))
+
+
+def test_config_defaults_read_as_transformers_reads_them(bad):
+    """Fields a config may leave out or give twice mean what transformers makes of them: Qwen3's head_dim
+    defaults to 128; llama3 RoPE without original_max_position_embeddings uses max_position_embeddings; a
+    non-empty rope_scaling wins over rope_parameters; without architectures the model_type decides; a
+    Mistral config without sliding_window has a 4096-token window (refused: not supported)."""
+    auto = transformers.AutoConfig.from_pretrained
+    _drop_config(bad, "head_dim")
+    assert read_hf_config(bad).head_dim == auto(bad).head_dim == 128
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    _edit_config(bad, head_dim=32, rope_parameters=None, rope_scaling=llama3, max_position_embeddings=2048)
+    assert read_hf_config(bad).rope_scaling.original_max_positions == 2048
+    assert auto(bad).rope_parameters["original_max_position_embeddings"] == 2048
+    _edit_config(bad, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                 rope_scaling={"rope_type": "linear", "factor": 2.0})
+    cfg = read_hf_config(bad)
+    assert (cfg.rope_scaling.kind, cfg.rope_scaling.factor) == ("linear", 2.0)
+    assert auto(bad).rope_parameters["rope_type"] == "linear"
+    _drop_config(bad, "architectures")
+    assert read_hf_config(bad).qk_norm  # qwen3, from model_type
+    _edit_config(bad, architectures=["MistralForCausalLM"], model_type="mistral", rope_scaling=None)
+    _drop_config(bad, "sliding_window")
+    assert auto(bad).sliding_window == 4096
+    with pytest.raises(HFCheckpointError, match="'sliding_window' is 4096 .missing"):
+        read_hf_config(bad)
+    _edit_config(bad, sliding_window=None)
+    assert read_hf_config(bad).head_dim == 32
+
+
 def test_missing_tensor_names_tensor_and_file(bad):
     from safetensors.numpy import load_file, save_file
 

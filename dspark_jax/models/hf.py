@@ -84,12 +84,13 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
     """RoPE base and scaling, from transformers 5's ``rope_parameters`` or the older ``rope_theta`` and
     ``rope_scaling``."""
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and params:
-        theta, scaling = params.get("rope_theta", raw.get("rope_theta", 10000.0)), params
-        field = "rope_parameters"
-    else:
-        theta, scaling, field = raw.get("rope_theta", 10000.0), raw.get("rope_scaling"), "rope_scaling"
+    # as transformers reads them: a non-empty rope_scaling wins over rope_parameters; the dict's own rope_theta
+    # over the top-level one
+    field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    scaling = raw.get(field) or None
+    theta = raw.get("rope_theta", 10000.0)
+    if isinstance(scaling, dict):
+        theta = scaling.get("rope_theta", theta)
     if not isinstance(theta, (int, float)) or theta <= 0:
         raise HFCheckpointError(f"{where}: field 'rope_theta' must be a positive number; got {theta!r}")
     if scaling is None:
@@ -103,10 +104,14 @@ def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
         if kind == "linear":
             return float(theta), RopeScaling(kind="linear", factor=float(scaling["factor"]))
         if kind == "llama3":
+            # the pretraining length: a top-level field first, then the dict's, then max_position_embeddings
+            original = raw.get("original_max_position_embeddings",
+                               scaling.get("original_max_position_embeddings", raw.get("max_position_embeddings")))
+            if original is None:
+                raise KeyError("original_max_position_embeddings")
             return float(theta), RopeScaling(
                 kind="llama3", factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
-                high_freq_factor=float(scaling["high_freq_factor"]),
-                original_max_positions=int(scaling["original_max_position_embeddings"]))
+                high_freq_factor=float(scaling["high_freq_factor"]), original_max_positions=int(original))
     except KeyError as e:
         raise HFCheckpointError(f"{where}: field {field!r} of rope_type {kind!r} lacks {e.args[0]!r}") from None
     except ValueError as e:
@@ -129,8 +134,11 @@ def read_hf_config(folder: str | Path) -> LlamaConfig:
     raw = _read_json(where)
     archs = raw.get("architectures") or []
     known = [a for a in archs if a in ARCHITECTURES]
+    if not archs:  # as transformers does without the field: the model_type names the architecture
+        known = [a for a, spec in ARCHITECTURES.items() if spec[0] == raw.get("model_type")]
     if not known:
-        raise HFCheckpointError(f"{where}: field 'architectures' is {archs!r}; supported: {', '.join(ARCHITECTURES)}")
+        raise HFCheckpointError(f"{where}: field 'architectures' is {archs!r} (model_type {raw.get('model_type')!r}); "
+                                f"supported: {', '.join(ARCHITECTURES)}")
     model_type, qk_norm, attn_bias = ARCHITECTURES[known[0]]
 
     def need(name: str, kind=int):
@@ -147,15 +155,19 @@ def read_hf_config(folder: str | Path) -> LlamaConfig:
     for name in ("attention_bias", "mlp_bias"):
         if raw.get(name) and not (name == "attention_bias" and attn_bias):
             raise HFCheckpointError(f"{where}: field {name!r} is true; {known[0]} is supported without it")
-    if model_type == "mistral" and raw.get("sliding_window") is not None:
-        raise HFCheckpointError(f"{where}: field 'sliding_window' is {raw['sliding_window']}; sliding-window "
-                                f"attention is not supported (expected null)")
+    # transformers' MistralConfig takes a missing sliding_window as 4096
+    window = raw.get("sliding_window", 4096) if model_type == "mistral" else None
+    if window is not None:
+        raise HFCheckpointError(f"{where}: field 'sliding_window' is {window}"
+                                f"{'' if 'sliding_window' in raw else ' (missing: 4096, as transformers reads it)'}; "
+                                f"sliding-window attention is not supported (expected null)")
     if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or ()):
         raise HFCheckpointError(f"{where}: field 'use_sliding_window'/'layer_types' asks for sliding-window "
                                 f"attention, which is not supported (expected full attention in every layer)")
     dim, n_heads = need("hidden_size"), need("num_attention_heads")
     n_kv = raw.get("num_key_value_heads") or n_heads
-    head_dim = raw.get("head_dim") or dim // n_heads
+    # Qwen3Config's head_dim defaults to 128 (not hidden_size / heads); the others derive it
+    head_dim = raw.get("head_dim", 128 if model_type == "qwen3" else None) or dim // n_heads
     theta, scaling = _rope(raw, str(where))
     eps = raw.get("rms_norm_eps", 1e-6)
     try:
