@@ -166,7 +166,17 @@ def _fit_checked(conf_logits, accepted, verified, grid, bias_grid):
     conf_logits = jnp.asarray(conf_logits, jnp.float32)
     if conf_logits.ndim != 2:
         raise ValueError(f"conf_logits: expected [N, G], got shape {conf_logits.shape}")
-    event, observed = events(accepted, verified, conf_logits.shape[1])
+    n, g = conf_logits.shape
+    acc, ver = np.asarray(accepted), np.asarray(verified)
+    for name, x in (("accepted", acc), ("verified", ver)):
+        if x.shape != (n,):
+            raise ValueError(f"{name}: expected int [N] = [{n}] (one per row of conf_logits), got shape {x.shape}")
+    bad = np.flatnonzero((acc < 0) | (acc > ver) | (ver > g))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"round {i}: expected 0 <= accepted <= verified <= G = {g}, got accepted {acc[i]}, "
+                         f"verified {ver[i]}")
+    event, observed = events(accepted, verified, g)
     if not bool(jnp.any(observed)):
         raise ValueError("fit_sts: no observed positions (every round verified 0 drafts)")
     temps, biases, _ = _fit(conf_logits, event, observed, jnp.asarray(grid, jnp.float32),
@@ -175,7 +185,7 @@ def _fit_checked(conf_logits, accepted, verified, grid, bias_grid):
 
 
 def fit_sts(conf_logits, accepted, verified, grid=STS_GRID) -> np.ndarray:
-    """Fit STS temperatures [G] on held-out rounds (Sequential Temperature Scaling, spec section 2.3).
+    """Fit STS temperatures [G] on held-out rounds (Sequential Temperature Scaling, spec section 4).
 
     Position by position, the temperature of the grid whose calibrated survival has the least ECE against
     the observed survival, given the temperatures already chosen for the earlier positions.

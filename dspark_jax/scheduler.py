@@ -105,6 +105,8 @@ def sps_lookup(sps: jax.Array, batch_tokens: jax.Array) -> jax.Array:
     >>> float(sps_lookup(jnp.array([9.0, 8.0, 4.0]), jnp.int32(1)))
     8.0
     """
+    if getattr(sps, "ndim", None) != 1:
+        raise ValueError(f"sps: expected a 1-D table [N], got shape {tuple(getattr(sps, 'shape', ()))}")
     n = sps.shape[0]
     b = jnp.asarray(batch_tokens)
     inside = (b >= 0) & (b < n)
@@ -231,11 +233,21 @@ def _walk(a, r_act, sps, stop, k_max):
     return stage(0)
 
 
-def _check_static(confidences, sps, stop):
-    if confidences.ndim != 2:
-        raise ValueError(f"confidences must have shape [R, G], got shape {confidences.shape}")
-    if sps.ndim != 1 or sps.shape[0] < 1:
-        raise ValueError(f"sps must have shape [N] with N >= 1, got shape {sps.shape}")
+def _check_confidences(confidences, active, name="confidences"):
+    """Static checks (at trace time, free under jit): confidences [R, G] with R, G >= 1, active [R]."""
+    if not hasattr(confidences, "ndim"):
+        raise ValueError(f"{name}: expected an array [R, G], got {type(confidences).__name__} (jnp.asarray it)")
+    if confidences.ndim != 2 or 0 in confidences.shape:
+        raise ValueError(f"{name} must have shape [R, G] with R, G >= 1, got shape {tuple(confidences.shape)}")
+    if active is not None and tuple(getattr(active, "shape", ())) != confidences.shape[:1]:
+        raise ValueError(f"active must have shape [R] = [{confidences.shape[0]}] (one flag per row of {name}), got "
+                         f"{tuple(getattr(active, 'shape', ()))}")
+
+
+def _check_static(confidences, sps, stop, active=None, name="confidences"):
+    _check_confidences(confidences, active, name)
+    if not hasattr(sps, "ndim") or sps.ndim != 1 or sps.shape[0] < 1:
+        raise ValueError(f"sps must have shape [N] with N >= 1, got shape {tuple(getattr(sps, 'shape', ()))}")
     if stop not in STOP_RULES:
         raise ValueError(f"stop must be one of {STOP_RULES}, got {stop!r}")
 
@@ -271,11 +283,12 @@ def schedule(
     >>> s.lengths.tolist(), int(s.batch_tokens)
     ([1], 2)
     """
-    _check_static(confidences, sps, stop)
+    _check_static(confidences, sps, stop, active)
     a = survival_probs(confidences, active=active)
     r_act = _active_count(active, confidences.shape[0])
     lengths, n_adm, tau, theta = _walk(a, r_act, sps, stop, _k_max(confidences, sps))
-    return Schedule(lengths, r_act + n_adm, tau, theta)
+    # B from the lengths themselves (n_adm equals their sum as long as top-k keeps equal values in index order)
+    return Schedule(lengths, r_act + jnp.sum(lengths, dtype=jnp.int32), tau, theta)
 
 
 @jax.jit
@@ -298,7 +311,7 @@ def capacity(stale_confidences: jax.Array, sps: jax.Array, *, active: jax.Array 
     >>> int(capacity(jnp.array([[0.9, 0.9]]), jnp.array([1.0, 1.0, 1.0, 1.0])))
     2
     """
-    _check_static(stale_confidences, sps, "argmax")
+    _check_static(stale_confidences, sps, "argmax", active, "stale_confidences")
     a = survival_probs(stale_confidences, active=active)
     r_act = _active_count(active, stale_confidences.shape[0])
     _, n_adm, _, _ = _walk(a, r_act, sps, "argmax", _k_max(stale_confidences, sps))
@@ -324,8 +337,7 @@ def top_k_lengths(confidences: jax.Array, k: jax.Array, *, active: jax.Array | N
     >>> top_k_lengths(jnp.array([[0.9, 0.9], [0.5, 1.0]]), jnp.int32(3)).tolist()
     [2, 1]
     """
-    if confidences.ndim != 2:
-        raise ValueError(f"confidences must have shape [R, G], got shape {confidences.shape}")
+    _check_confidences(confidences, active)
     a = survival_probs(confidences, active=active)
     num = a.size
     a_flat = a.reshape(-1)

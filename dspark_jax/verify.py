@@ -32,6 +32,35 @@ __all__ = ["acceptance_probs", "next_token_probs", "speculative_accept", "greedy
            "leading_true", "top_p_filter"]
 
 
+def _check(fn: str, draft_tokens, lengths=None, **probs) -> tuple[int, int]:
+    """Static shape checks (free under jit; they run when a shape is first traced): draft_tokens [R, G], lengths
+    [R], and each named array [R, G + 1, ...] (target) or [R, G, ...] (draft). Returns (R, G)."""
+    if draft_tokens.ndim != 2:
+        raise ValueError(f"{fn}: draft_tokens: expected int [R, G], got shape {tuple(draft_tokens.shape)}")
+    r, g = draft_tokens.shape
+    if lengths is not None and tuple(lengths.shape) != (r,):
+        raise ValueError(f"{fn}: lengths: expected int [R] = [{r}], got shape {tuple(lengths.shape)}")
+    wants = {"target_probs": "[R, G + 1, V]", "target_logits": "[R, G + 1, V]", "target_tokens": "[R, G + 1]",
+             "draft_probs": "[R, G, V]"}
+    for name, x in probs.items():
+        rows = g + 1 if name.startswith("target") else g
+        if x.ndim != wants[name].count(",") + 1 or tuple(x.shape[:2]) != (r, rows):
+            want = wants[name]
+            raise ValueError(f"{fn}: {name}: expected {want} with R = {r}, G = {g} (from draft_tokens), got shape "
+                             f"{tuple(x.shape)}")
+    return r, g
+
+
+def _as_distribution(probs: jax.Array) -> jax.Array:
+    """float32 rows of a distribution: a lower-precision input is renormalised after the cast (a bfloat16 softmax
+    sums to 1 only within its rounding), so the residual and the acceptance ratio use the law actually meant."""
+    if probs.dtype == jnp.float32:
+        return probs
+    p = probs.astype(jnp.float32)
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(total > 0, total, 1.0)
+
+
 def _gather_last(x, idx):
     """x [..., V], idx [...] -> x[..., idx]."""
     return jnp.take_along_axis(x, idx[..., None], axis=-1)[..., 0]
@@ -79,8 +108,9 @@ def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array, target_pro
     >>> acceptance_probs(jnp.array([[0]]), jnp.array([[[0.5, 0.5]]]), jnp.array([[[0.25, 0.75], [1., 0.]]])).tolist()
     [[0.5]]
     """
-    pd = _draft_prob_of(draft_probs.astype(jnp.float32), draft_tokens, draft_vocab)  # [R, G]
-    pt = _gather_last(target_probs[:, :-1].astype(jnp.float32), draft_tokens)  # [R, G]
+    _check("acceptance_probs", draft_tokens, draft_probs=draft_probs, target_probs=target_probs)
+    pd = _draft_prob_of(_as_distribution(draft_probs), draft_tokens, draft_vocab)  # [R, G]
+    pt = _gather_last(_as_distribution(target_probs[:, :-1]), draft_tokens)  # [R, G]
     safe = jnp.where(pd > 0, pd, 1.0)
     return jnp.where(pd > 0, jnp.minimum(1.0, pt / safe), (pt > 0).astype(jnp.float32))
 
@@ -103,16 +133,17 @@ def next_token_probs(
       draft_probs: float [R, G, V] (or [R, G, W] over ``draft_vocab``).
       target_probs: float [R, G + 1, V].
       num_accepted: int [R], each in 0..lengths.
-      lengths: int [R], each in 0..G.
+      lengths: int [R], each in 0..G (clipped to it).
       draft_vocab: optional int [W], the draft vocabulary (sorted token ids).
 
     Returns:
       float32 [R, V].
     """
     g = draft_probs.shape[1]
-    n = num_accepted.astype(jnp.int32)
-    pt = jnp.take_along_axis(target_probs.astype(jnp.float32), n[:, None, None], axis=1)[:, 0]  # [R, V]
-    pd = jnp.take_along_axis(draft_probs.astype(jnp.float32), jnp.minimum(n, g - 1)[:, None, None], axis=1)[:, 0]
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, g)
+    n = jnp.clip(num_accepted.astype(jnp.int32), 0, lengths)
+    pt = jnp.take_along_axis(_as_distribution(target_probs), n[:, None, None], axis=1)[:, 0]  # [R, V]
+    pd = jnp.take_along_axis(_as_distribution(draft_probs), jnp.minimum(n, g - 1)[:, None, None], axis=1)[:, 0]
     pd = _full_vocab(pd, draft_vocab, pt.shape[-1])  # [R, V]
     residual = jnp.maximum(pt - pd, 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
@@ -150,8 +181,10 @@ def speculative_accept(
       draft_probs: float [R, G, V], the exact distributions the drafts were drawn from.
       target_probs: float [R, G + 1, V]; row ``i`` is the target's next-token distribution after input
         position ``i`` of ``[x0, x1..x_l]``.
-      lengths: int [R], drafts verified per row, each in 0..G.
+      lengths: int [R], drafts verified per row, each in 0..G (clipped to it).
       draft_vocab: optional int [W]; then ``draft_probs`` is [R, G, W] over these token ids.
+
+    Probabilities in a lower precision than float32 are renormalised after the cast to float32.
 
     Returns:
       ``(num_accepted, next_token)``: int32 [R] accepted drafts (0..lengths) and int32 [R] the token
@@ -165,9 +198,10 @@ def speculative_accept(
     >>> n.tolist(), nxt.tolist()
     ([2], [1])
     """
-    num_rows, g = draft_tokens.shape
+    num_rows, g = _check("speculative_accept", draft_tokens, lengths, draft_probs=draft_probs,
+                         target_probs=target_probs)
     keys = _row_keys(key, num_rows)
-    lengths = lengths.astype(jnp.int32)
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, g)
 
     def row_randomness(k):
         k_accept, k_sample = jax.random.split(k)
@@ -199,6 +233,7 @@ def greedy_accept(
     >>> greedy_accept(jnp.array([[1, 0]]), jnp.array([[[0., 1.], [0., 1.], [1., 0.]]]), jnp.array([2]))
     (Array([1], dtype=int32), Array([1], dtype=int32))
     """
+    _check("greedy_accept", draft_tokens, lengths, target_logits=target_logits)
     return greedy_accept_tokens(draft_tokens, first_argmax(target_logits), lengths)  # argmax [R, G + 1]
 
 
@@ -222,6 +257,7 @@ def greedy_accept_tokens(
     >>> greedy_accept_tokens(jnp.array([[1, 0]]), jnp.array([[1, 1, 0]]), jnp.array([2]))
     (Array([1], dtype=int32), Array([1], dtype=int32))
     """
+    _check("greedy_accept_tokens", draft_tokens, lengths, target_tokens=target_tokens)
     best = target_tokens.astype(jnp.int32)
     n = leading_true(draft_tokens.astype(jnp.int32) == best[:, :-1], lengths.astype(jnp.int32))
     nxt = jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]

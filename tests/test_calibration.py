@@ -156,3 +156,11 @@ def test_sts_sets_carry_offsets_through_rows_and_files(tmp_path):
     (tmp_path / "bad.json").write_text('{"sets": [{"temperature": 0, "temperatures": [1, 2], "biases": [0]}]}')
     with pytest.raises(ValueError, match=r"sets\[0\]\.biases: expected 2 finite numbers"):
         cal.load_sts(tmp_path / "bad.json")
+
+
+def test_fit_sts_names_inconsistent_rounds():
+    logits = np.zeros((3, 2), np.float32)
+    with pytest.raises(ValueError, match=r"accepted: expected int \[N\] = \[3\]"):
+        cal.fit_sts(logits, accepted=[1, 0], verified=[2, 2, 2])
+    with pytest.raises(ValueError, match=r"round 1: expected 0 <= accepted <= verified <= G = 2"):
+        cal.fit_sts(logits, accepted=[1, 2, 0], verified=[2, 1, 2])

@@ -382,3 +382,20 @@ def test_gain_below_float_resolution_still_admits():
     lengths, b, _, _, gap = scheduler.algorithm1_loop(conf, sps, active)
     np.testing.assert_array_equal(lengths, [0, 1, 0, 0])
     assert b == 2 and gap >= TIE
+
+
+def test_jitted_entry_points_name_bad_shapes():
+    """The jitted entry points check shapes when they trace (free under jit), naming the argument."""
+    conf, sps = jnp.full((2, 3), 0.5), jnp.ones(8)
+    with pytest.raises(ValueError, match=r"active must have shape \[R\] = \[2\]"):
+        scheduler.schedule(conf, sps, active=jnp.ones(3, bool))
+    with pytest.raises(ValueError, match=r"active must have shape \[R\] = \[2\]"):
+        scheduler.top_k_lengths(conf, jnp.int32(2), active=jnp.ones(1, bool))
+    with pytest.raises(ValueError, match=r"stale_confidences must have shape \[R, G\] with R, G >= 1"):
+        scheduler.capacity(jnp.zeros((2, 0)), sps)
+    with pytest.raises(ValueError, match=r"confidences: expected an array \[R, G\], got list"):
+        scheduler.schedule([[0.5, 0.5]], sps)
+    with pytest.raises(ValueError, match=r"sps: expected a 1-D table \[N\]"):
+        scheduler.sps_lookup(jnp.ones((2, 4)), jnp.int32(1))
+    s = scheduler.schedule(conf, sps, active=jnp.array([True, False]))
+    assert int(s.batch_tokens) == 1 + int(s.lengths.sum())

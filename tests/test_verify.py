@@ -143,6 +143,57 @@ def test_greedy_accept_counts_and_bonus():
     np.testing.assert_array_equal(nxt, [4, 2, 0])
 
 
+def test_out_of_range_lengths_are_clipped_and_bad_shapes_named():
+    """lengths above G act as G (all drafts, then the bonus from p_t[G]: not a residual) and below 0 as 0, in
+    both rules; shapes that do not fit draft_tokens [R, G] are refused naming the argument and the shape
+    expected, before anything runs."""
+    rng = np.random.default_rng(5)
+    dp = rng.dirichlet(np.ones(6), size=(4, 3)).astype(np.float32)
+    tp = rng.dirichlet(np.ones(6), size=(4, 4)).astype(np.float32)
+    drafts = rng.integers(0, 6, size=(4, 3))
+    keys = jax.random.split(jax.random.key(1), 4)
+    for wild, tame in (([5, 3, 9, -2], [3, 3, 3, 0]), ([-1, 4, 0, 7], [0, 3, 0, 3])):
+        for rule in (lambda L: verify.speculative_accept(keys, drafts, dp, tp, np.array(L)),
+                     lambda L: verify.greedy_accept(drafts, tp, np.array(L))):
+            np.testing.assert_array_equal(np.stack(rule(wild)), np.stack(rule(tame)))
+    full = np.array([3, 3, 3, 3])
+    law = verify.next_token_probs(dp, tp, full, np.array([8, 3, 4, 3]))
+    np.testing.assert_allclose(law, tp[:, 3], rtol=1e-6)  # the bonus law at every row
+    with pytest.raises(ValueError, match=r"greedy_accept: target_logits: expected \[R, G \+ 1, V\]"):
+        verify.greedy_accept(drafts, tp[:, :3], full)
+    with pytest.raises(ValueError, match=r"speculative_accept: lengths: expected int \[R\] = \[4\]"):
+        verify.speculative_accept(keys, drafts, dp, tp, np.array([1, 2]))
+    with pytest.raises(ValueError, match=r"speculative_accept: draft_probs: expected \[R, G, V\]"):
+        verify.speculative_accept(keys, drafts, tp, tp, full)
+    with pytest.raises(ValueError, match=r"draft_tokens: expected int \[R, G\]"):
+        verify.greedy_accept_tokens(drafts[0], drafts, full)
+
+
+def test_low_precision_distributions_are_renormalised():
+    """A bfloat16 softmax sums to 1 only within its rounding; the acceptance and residual laws are those of the
+    renormalised float32 rows, so the exact-law guarantee holds for what the caller meant."""
+    rng = np.random.default_rng(6)
+    dp = jax.nn.softmax(jnp.asarray(rng.normal(size=(3, 2, 64)) * 2)).astype(jnp.bfloat16)
+    tp = jax.nn.softmax(jnp.asarray(rng.normal(size=(3, 3, 64)) * 2)).astype(jnp.bfloat16)
+    assert abs(float(jnp.sum(tp.astype(jnp.float32), -1).max()) - 1.0) > 1e-4  # not normalised as stored
+    norm = lambda x: x.astype(jnp.float32) / jnp.sum(x.astype(jnp.float32), -1, keepdims=True)  # noqa: E731
+    for n in range(3):
+        got = verify.next_token_probs(dp, tp, jnp.full(3, n), jnp.full(3, 2))
+        want = verify.next_token_probs(norm(dp), norm(tp), jnp.full(3, n), jnp.full(3, 2))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)
+        np.testing.assert_allclose(jnp.sum(got, -1), 1.0, rtol=1e-6)
+    drafts = jnp.asarray(rng.integers(0, 64, size=(3, 2)))
+    np.testing.assert_allclose(verify.acceptance_probs(drafts, dp, tp),
+                               verify.acceptance_probs(drafts, norm(dp), norm(tp)), rtol=1e-6)
+
+
+def test_first_argmax_is_argmax_with_nan():
+    from dspark_jax.models.llama import first_argmax
+
+    x = jnp.array([[1.0, jnp.nan, 3.0, jnp.nan], [1.0, 5.0, 5.0, 0.0], [jnp.nan, 0.0, 9.0, 1.0]])
+    np.testing.assert_array_equal(first_argmax(x), jnp.argmax(x, -1))
+
+
 def test_per_row_keys_make_rows_independent_of_batch():
     rng = np.random.default_rng(3)
     dp = rng.dirichlet(np.ones(6), size=(4, 3)).astype(np.float32)

@@ -387,15 +387,17 @@ def masked_softmax(scores: jax.Array, mask: jax.Array, axis: int = -1) -> jax.Ar
 
 def first_argmax(x: jax.Array) -> jax.Array:
     """Index of the first maximum over the last axis, int32 [...] from [..., N]: what ``jnp.argmax`` gives
-    (for input without NaN), computed as two plain reductions (a max, then the least index that attains it),
-    which XLA's CPU backend runs several times faster than argmax's variadic (value, index) reduction.
+    (the first NaN in a row that holds one), computed as two plain reductions (a max, then the least index that
+    attains it), which XLA's CPU backend runs several times faster than argmax's variadic (value, index)
+    reduction.
 
     >>> first_argmax(jnp.array([[0.0, 2.0, 2.0], [5.0, 1.0, 0.0]])).tolist()
     [1, 0]
     """
-    top = jnp.max(x, axis=-1, keepdims=True)
+    top = jnp.max(x, axis=-1, keepdims=True)  # NaN where a row holds one: then the first NaN, as jnp.argmax
     idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    return jnp.min(jnp.where(x == top, idx, x.shape[-1]), axis=-1).astype(jnp.int32)
+    hit = (x == top) | jnp.isnan(x)
+    return jnp.min(jnp.where(hit, idx, x.shape[-1]), axis=-1).astype(jnp.int32)
 
 
 def logits_from_hidden(weights: LlamaWeights, hidden: jax.Array) -> jax.Array:
