@@ -182,6 +182,60 @@ def test_parity_with_deepspec(deepspec, variant, tmp_path):
         np.testing.assert_allclose(ours["conf_draft"], ref["conf"], **tol)
 
 
+@pytest.mark.parametrize("variant,dtype", [("dspark-rnn", "bfloat16"), ("dspark-vanilla", "float32")])
+def test_rounds_over_a_growing_cache_match_deepspec_evaluator(deepspec, variant, dtype, tmp_path):
+    """Decoding rounds as DeepSpec's evaluator runs them (`draft_ops`: the drafter's KV cache extended by each
+    round's new context, the block's entries cropped after it) against ours (`write_context` of the same new
+    context, followed by junk at the positions a rejected block would leave, then `draft`): the same greedy
+    drafts and confidence logits at every round. The bfloat16 case reads a checkpoint stored in bfloat16."""
+    import torch
+    from transformers import DynamicCache
+
+    root = next(p for p in REFERENCES if (p / "deepspec").is_dir())
+    with _on_path(root.resolve()):
+        ops = importlib.import_module("deepspec.eval.dspark.draft_ops")
+    model = build_torch_drafter(deepspec, variant, seed=11)
+    inv_freq = model.rotary_emb.inv_freq.clone()  # a buffer: casting the model would round it too
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "d")
+    model = model.float()  # the stored (rounded) weights, computed in float32 as ours are
+    model.rotary_emb.inv_freq.copy_(inv_freq)
+    drafter, _ = load_deepspec_drafter(tmp_path / "d")
+
+    class Cache(DynamicCache):  # DeepSpec crops to a length; newer transformers take the count to drop instead
+        def crop(self, length):
+            drop = self.get_seq_length() - length
+            if drop > 0:
+                super().crop(-drop)
+
+    gen = torch.Generator().manual_seed(5)
+    starts = [6, 9, 10, 16, 23]  # each round's anchor position: the context grows by 3, 1, 6, 7 tokens
+    taps = torch.randn(1, starts[-1], len(TAPS) * D, generator=gen)
+    tokens = torch.randint(0, V - 1, (starts[-1] + 1,), generator=gen)
+    cache, dcache = Cache(), dr.init_drafter_cache(drafter.cfg, 1, 64)
+    head_w = dr.draft_head_weights(drafter, None)
+    rng, done = np.random.default_rng(0), 0
+    for start in starts:
+        ids = torch.full((1, G), int(model.mask_token_id), dtype=torch.long)
+        ids[0, 0] = tokens[start]
+        h = ops.forward_dspark_draft_block(model, draft_input_ids=ids, position_ids=torch.arange(64)[None],
+                                           past_key_values_draft=cache, target_hidden_states=taps[:, done:start],
+                                           start=start, block_size=G)
+        ref = ops.build_dspark_proposal(model, draft_input_ids=ids, block_hidden=h, block_size=G, temperature=0.0,
+                                        confidence_threshold=0.0)
+        junk = rng.normal(size=(G, len(TAPS) * D)).astype(np.float32)  # what a rejected block leaves behind
+        new = np.concatenate([taps[0, done:start].numpy(), junk]).reshape(-1, len(TAPS), D)
+        n = new.shape[0]
+        dcache = dr.write_context(drafter, dcache, jnp.asarray(new), jnp.zeros(n, jnp.int32),
+                                  done + jnp.arange(n), jnp.ones(n, bool))
+        got, _, conf = dr.draft(drafter, dcache, jnp.array([0]), jnp.array([start]), jnp.array([int(tokens[start])]),
+                                jax.random.split(jax.random.key(0), 1), jnp.float32(0.0), None, head_w)
+        np.testing.assert_array_equal(np.asarray(got[0]), ref.verify_input_ids[0, 1:].numpy(), err_msg=str(start))
+        np.testing.assert_allclose(np.asarray(conf[0]), ref.confidence_logits[0].numpy(), rtol=1e-4, atol=2e-5)
+        done = start
+
+
 def test_export_round_trip(deepspec, tmp_path):
     """A loaded drafter written back is DeepSpec's model again, tensor for tensor."""
     import torch
