@@ -229,6 +229,40 @@ def test_fields_other_clients_send(served, monkeypatch):
     assert len({chunk.created for chunk in stream}) == 1
 
 
+def test_engine_failure_and_unknown_paths_answer_in_openai_shape(served, monkeypatch):
+    """An engine that fails mid-answer gives a 500 error body (not a 200 with a truncated answer), and a stream
+    ends with an error event then [DONE]; `models.retrieve` finds the served model; unknown paths and methods
+    answer with OpenAI's error body."""
+    import asyncio as aio
+
+    from dspark_jax.serve.worker import Event
+
+    ids = served.tok.encode("Hello there")
+
+    def failing(req):
+        q = aio.Queue()
+        q.put_nowait(Event("tokens", tokens=tuple(ids)))
+        q.put_nowait(Event("error", status=500, message="the engine failed: boom"))
+        return q
+
+    monkeypatch.setattr(served.worker, "submit", failing)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+    r = httpx.post(f"{served.url}/v1/chat/completions", json=body, headers=auth, timeout=60)
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{served.url}/v1/chat/completions", json={**body, "stream": True}, headers=auth, timeout=60)
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "boom" in json.loads(events[-2])["error"]["message"]
+    assert "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-2]) == "Hello there"
+    monkeypatch.undo()
+    assert served.client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        served.client.models.retrieve("other")
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, f"{served.url}{path}", headers=auth)
+        assert r.status_code == status and r.json()["error"]["message"], r.text
+
+
 def test_overfilled_queue_refuses_the_excess_and_completes_the_rest(served):
     worker = served.worker
     received = metric(served, "dspark_requests_received_total")

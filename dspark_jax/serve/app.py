@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over an `EngineWorker` (FastAPI; server-sent events for streaming).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the model's chat template),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``, ``GET /metrics`` (Prometheus text).
 
 Per request: ``temperature`` (0..2; omitted: the server's ``--temperature``), ``top_p`` (0..1], ``seed`` (any
 integer, taken modulo 2**31), ``max_tokens`` (chat also ``max_completion_tokens``), ``stop`` (strings: the text
@@ -24,13 +24,14 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark_jax.engine import MAX_SEED, SamplingParams
 from dspark_jax.serve.worker import EngineWorker, Event, GenerationRequest, QueueFull, ShuttingDown, prometheus_text
@@ -215,6 +216,11 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
     async def api_error(request: Request, exc: APIError):
         return _error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # unknown path, wrong method
+        return _error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                               "invalid_request_error" if exc.status_code < 500 else "server_error")
+
     if api_key is not None:
         app.add_middleware(_KeyCheck, key=api_key)
 
@@ -224,10 +230,23 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
             return PlainTextResponse("engine stopped", status_code=503)
         return PlainTextResponse("ok")
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "dspark-jax",
+            "max_model_len": capacity}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "dspark-jax", "max_model_len": capacity}]}
+        return {"object": "list", "data": [card]}
+
+    def check_model(model: str) -> None:
+        # the served name, or a Hugging Face id ending in it ("HuggingFaceTB/SmolLM2-135M-Instruct")
+        if model != model_name and model.rsplit("/", 1)[-1] != model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+
+    @app.get("/v1/models/{model:path}")
+    async def model_card(model: str):
+        check_model(model)
+        return card
 
     @app.get("/metrics")
     async def metrics():
@@ -236,10 +255,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
                                  media_type="text/plain; version=0.0.4")
 
     def check_request(body: _Sampling):
-        # the served name, or a Hugging Face id ending in it ("HuggingFaceTB/SmolLM2-135M-Instruct")
-        if body.model != model_name and body.model.rsplit("/", 1)[-1] != model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
+        check_model(body.model)
         field = body.unsupported()
         if field is not None:
             raise APIError(400, f"{field}: not supported by this server (leave it unset)", param=field,
@@ -293,6 +309,8 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
             return {"prompt_tokens": len(prompt_ids), "completion_tokens": text.tokens,
                     "total_tokens": len(prompt_ids) + text.tokens}
 
+        failure: list[Event] = []  # the engine's error event, when the answer ends with one
+
         async def answer():
             """(text delta, finish reason or None) as the engine commits tokens; ends after the reason."""
             event = first
@@ -300,6 +318,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
                 if event is None:  # the client left
                     return
                 if event.kind == "error":
+                    failure.append(event)
                     yield text.finish(), "error"
                     return
                 if event.kind == "tokens":
@@ -322,6 +341,8 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
                 parts.append(delta)
             if reason is None:
                 return JSONResponse({}, status_code=499)
+            if failure:  # the engine failed mid-answer: an error, not a truncated answer
+                raise APIError(failure[0].status, failure[0].message, "server_error")
             content = "".join(parts)
             choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
                        "finish_reason": reason} if chat else
@@ -350,7 +371,12 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
                 async for delta, reason in answer():
                     if delta:
                         yield chunk(delta, None)
-                    if reason is not None:
+                    if failure:  # mid-stream: an error event in OpenAI's shape, then the end of the stream
+                        err = failure[0]
+                        yield _sse({"error": {"message": err.message, "type": "server_error", "param": None,
+                                              "code": None}})
+                        finished = True
+                    elif reason is not None:
                         yield chunk(None if chat else "", reason)
                         finished = True
                 if include_usage:
