@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.calibration import STSSets
+from dspark_jax.cli import model_path, nonnegative_int, temperature
 from dspark_jax.drafters import prior_confidence, resolve_drafter, tapped_for
 from dspark_jax.engine import Engine, EngineConfig, parse_policy
 from dspark_jax.models.drafter import Drafter
@@ -223,10 +224,10 @@ def add_model_arguments(p: argparse.ArgumentParser, *, draft: bool = True) -> No
     from dspark_jax.sharding import add_mesh_arguments  # noqa: PLC0415
 
     add_mesh_arguments(p)
-    p.add_argument("--model", help="a GGUF file or a Hugging Face checkpoint folder (default: the embedded "
-                                   "SmolLM2-135M-Instruct GGUF, fetched once)")
-    p.add_argument("--dtype", default="auto", help="weights: auto (bfloat16 on an accelerator, float32 on CPU), "
-                                                   f"{', '.join(DTYPES)}")
+    p.add_argument("--model", type=model_path, help="a GGUF file or a Hugging Face checkpoint folder (default: the "
+                                                     "embedded SmolLM2-135M-Instruct GGUF, fetched once)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="weights: auto (bfloat16 on an accelerator, float32 on CPU), " f"{', '.join(DTYPES)}")
     if draft:
         p.add_argument("--draft", default="dspark", help="dspark | dflash | a drafter folder (ours, or a DeepSpec "
                                                          "DFlash/DSpark checkpoint)")
@@ -239,8 +240,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, policy: str = "dspark") 
     p.add_argument("--sps", help="SPS table JSON (default: the packaged table chosen for this host)")
     p.add_argument("--allow-sps-mesh-mismatch", action="store_true",
                    help="use an SPS table measured on another mesh than --data/--tensor-parallel-size's")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=temperature, default=0.0, help="0 means greedy")
+    p.add_argument("--seed", type=nonnegative_int, default=0)
 
 
 def engine_from_args(args: argparse.Namespace, target: LlamaModel, *, num_slots: int, max_prompt_tokens: int,

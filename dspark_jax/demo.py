@@ -20,16 +20,17 @@ from dspark_jax.sharding import mesh_from_args
 from dspark_jax.serving import interleaved, mixed_prompts, shipped_prompts_dir, window_tokens
 from dspark_jax.sps import default_sps_table
 from dspark_jax.timing import device_info, format_table
+from dspark_jax.cli import positive_int
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--rounds", type=int, default=12,
+    p.add_argument("--max-new-tokens", type=positive_int, default=96)
+    p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--rounds", type=positive_int, default=12,
                    help="window length in plain-decoding rounds (rounds x N emitted tokens, the same for every policy)")
-    p.add_argument("--min-window-tokens", type=int, default=32, help="at least this many tokens per window")
-    p.add_argument("--repeats", type=int, default=2, help="windows per policy, the policies taking turns")
+    p.add_argument("--min-window-tokens", type=positive_int, default=32, help="at least this many tokens per window")
+    p.add_argument("--repeats", type=positive_int, default=2, help="windows per policy, the policies taking turns")
     p.add_argument("--skip-table", action="store_true")
     add_model_arguments(p)
     args = p.parse_args(argv)

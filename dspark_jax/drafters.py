@@ -59,6 +59,25 @@ def resolve_drafter(spec: str | None = None, *, target_cfg=None, dtype=None
         before any weight is read where the format allows.
       dtype: parameter dtype of a DeepSpec drafter (default float32); our own folders load as float32.
     """
+    path, kind = drafter_source(spec)
+    if kind == "deepspec":
+        drafter, meta = load_deepspec_drafter(path, target_cfg, dtype=jnp.float32 if dtype is None else dtype)
+    else:
+        drafter, meta = load_drafter(path)
+        if target_cfg is not None:
+            check_drafter_fits(drafter.cfg, target_cfg, path / "config.json")
+    sts = path / "sts.json"
+    temps = load_sts(sts) if sts.is_file() else None
+    return drafter, meta, temps, path
+
+
+def drafter_source(spec: str | None = None) -> tuple[Path, str]:
+    """The folder and format (`drafter_format`) of a drafter given by shipped name or path, checked without
+    reading any weight.
+
+    Raises:
+      ValueError: the folder is missing or holds no drafter format this package reads (naming what it expects).
+    """
     spec = spec or "dspark"
     path = shipped_dir(spec) if spec in SHIPPED else Path(spec)
     kind = drafter_format(path)
@@ -74,15 +93,7 @@ def resolve_drafter(spec: str | None = None, *, target_cfg=None, dtype=None
         raise ValueError(f"--draft {spec}: expected one of {SHIPPED}, a drafter folder with config.json and "
                          f"weights.npz, or a DeepSpec checkpoint folder (config.json with target_layer_ids and "
                          f"block_size, and model.safetensors)")
-    if kind == "deepspec":
-        drafter, meta = load_deepspec_drafter(path, target_cfg, dtype=jnp.float32 if dtype is None else dtype)
-    else:
-        drafter, meta = load_drafter(path)
-        if target_cfg is not None:
-            check_drafter_fits(drafter.cfg, target_cfg, path / "config.json")
-    sts = path / "sts.json"
-    temps = load_sts(sts) if sts.is_file() else None
-    return drafter, meta, temps, path
+    return path, kind
 
 
 def precheck_for_model(spec: str | None, model: str | Path | None) -> None:

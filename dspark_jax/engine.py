@@ -938,8 +938,10 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ summary
     def summary(self) -> dict[str, float]:
         """Totals over the rounds run so far (for the generate command and the benchmark)."""
-        if not self.rounds:
-            return {"rounds": 0}
+        if not self.rounds:  # every request ended at admission (a budget of one token): no round ran
+            return {"rounds": 0, "compiled_rounds": 0, "steady_seconds": 0.0, "emitted_tokens": 0,
+                    "tokens_per_s": float("nan"), "mean_active": 0.0, "drafts_per_request": 0.0, "accept_len": 1.0,
+                    "rejected_share": 0.0, "mean_batch_tokens": 0.0, "drafted_share": 0.0}
         sched = np.concatenate([r.scheduled for r in self.rounds])
         acc = np.concatenate([r.accepted for r in self.rounds])
         steady = [r for r in self.rounds if not r.compiled]

@@ -27,10 +27,10 @@ from pathlib import Path
 import jax
 
 from dspark_jax.build import add_engine_arguments, engine_from_args, load_target
+from dspark_jax.cli import check_engine_arguments, existing_file, positive_int
 from dspark_jax.data import parse_turns
-from dspark_jax.drafters import precheck_for_model
-from dspark_jax.engine import Completion, Engine, parse_policy
-from dspark_jax.io import check_writable
+from dspark_jax.engine import Completion, Engine
+from dspark_jax.io import atomic_write_text, check_writable
 from dspark_jax.sharding import mesh_from_args
 
 
@@ -74,11 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dspark_jax.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", default=[], help="a user prompt (repeatable)")
-    p.add_argument("--prompts", help="JSONL file of {\"turns\": [...]} lines (first turn used)")
-    p.add_argument("--limit", type=int, help="use at most this many prompts from --prompts")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--prompts", type=existing_file, help="JSONL file of {\"turns\": [...]} lines (first turn used)")
+    p.add_argument("--limit", type=positive_int, help="use at most this many prompts from --prompts")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
     add_engine_arguments(p)
-    p.add_argument("--concurrency", "--num-slots", dest="concurrency", type=int,
+    p.add_argument("--concurrency", "--num-slots", dest="concurrency", type=positive_int,
                    help="requests decoded together (default: min(prompts, 16))")
     p.add_argument("--json", dest="json_out", help="write results and speed to this JSON file")
     p.add_argument("--quiet", action="store_true", help="do not stream or print generated text")
@@ -88,29 +88,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
     prompts = list(args.prompt)
     if args.prompts:
-        prompts += read_prompts(args.prompts, args.limit)
+        try:
+            prompts += read_prompts(args.prompts, args.limit)
+        except (ValueError, OSError) as e:
+            p.error(f"--prompts: {e}")
     if not prompts:
-        build_parser().error("give --prompt TEXT or --prompts FILE.jsonl")
-    if args.max_new_tokens < 1:
-        build_parser().error("--max-new-tokens must be >= 1")
+        p.error("give --prompt TEXT or --prompts FILE.jsonl")
     args.concurrency = args.concurrency or min(len(prompts), 16)
-    try:
-        parse_policy(args.policy)
-    except ValueError as e:
-        build_parser().error(str(e))
-    if args.trace:
-        try:
-            check_writable(args.trace)
-        except ValueError as e:
-            build_parser().error(f"--trace: {e}")
-    if parse_policy(args.policy).drafts:
-        try:
-            precheck_for_model(args.draft, args.model)
-        except ValueError as e:
-            build_parser().error(f"--draft: {e}")
+    check_engine_arguments(p, args)
+    for flag, path in (("--trace", args.trace), ("--json", args.json_out)):
+        if path:
+            try:
+                check_writable(path)
+            except ValueError as e:
+                p.error(f"{flag}: {e}")
     mesh = mesh_from_args(args)  # before anything touches JAX (a multi-process run joins here)
     if mesh is None:
         model = load_target(args.model, dtype=args.dtype)
@@ -157,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
         "concurrency": args.concurrency,
     }
     if args.json_out and jax.process_index() == 0:  # under jax.distributed every process holds the same results
-        Path(args.json_out).write_text(json.dumps(report, ensure_ascii=False, indent=1), encoding="utf-8")
+        atomic_write_text(args.json_out, json.dumps(report, ensure_ascii=False, indent=1))
     return report
 
 

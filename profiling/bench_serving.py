@@ -39,6 +39,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from dspark_jax.cli import nonnegative_int, positive_int, temperature
 from dspark_jax.build import (add_model_arguments, build_engine, cache_capacity, load_drafter_for, load_target,
                               target_name)
 from dspark_jax.engine import parse_policy
@@ -46,7 +47,8 @@ from dspark_jax.plots import plot_serving
 from dspark_jax.serving import (closed_loop, interleaved, mixed_prompts, pooled_ratio, scheduling_quality,
                                 window_tokens)
 from dspark_jax.sharding import mesh_from_args
-from dspark_jax.sps import default_sps_table, load_sps_table
+from dspark_jax.io import check_writable
+from dspark_jax.sps import SPSTable, default_sps_table, load_sps_table
 from dspark_jax.timing import device_info, format_table, write_json
 
 FIXED = ("fixed:1", "fixed:3", "fixed:7")
@@ -153,27 +155,27 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="concurrency 1 and 16, few policies and rounds (< 1 min)")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--plots", metavar="DIR", help="write the PNG figures into this folder")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--temperatures", type=temperature, nargs="+", default=[0.0, 1.0])
     p.add_argument("--policies", nargs="+", default=["none", *FIXED, "threshold", "dspark", "dspark-async"],
                    help="'threshold' means threshold:C at the best C of a sweep of --thresholds at one concurrency")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.9])
-    p.add_argument("--threshold-sweep-at", type=int, metavar="N",
+    p.add_argument("--threshold-sweep-at", type=positive_int, metavar="N",
                    help="concurrency of the threshold sweep (default: the middle of --concurrency)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-prompt-tokens", type=int, default=384)
-    p.add_argument("--warmup-rounds", type=int, default=6,
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=384)
+    p.add_argument("--warmup-rounds", type=nonnegative_int, default=6,
                    help="warm-up before the windows: what this many plain-decoding rounds emit (N tokens each)")
-    p.add_argument("--rounds", type=int, default=24,
+    p.add_argument("--rounds", type=positive_int, default=24,
                    help="window length in plain-decoding rounds: every policy's window ends after rounds x N "
                         "emitted tokens, so window k of every policy serves the same prompts")
-    p.add_argument("--repeats", type=int, default=3, help="measurement windows per point")
-    p.add_argument("--min-window-tokens", type=int, default=96,
+    p.add_argument("--repeats", type=positive_int, default=3, help="measurement windows per point")
+    p.add_argument("--min-window-tokens", type=positive_int, default=96,
                    help="at least this many tokens per window (low concurrency)")
     add_model_arguments(p)
     p.add_argument("--sps", help="SPS table JSON (default: the shipped CPU table)")
     p.add_argument("--prompts", help="folder of JSONL prompts (default: ../shared/data/prompts/dev or shipped)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--sequential", action="store_true",
                    help="measure each policy's windows back to back (default: policies interleaved window by window)")
     p.add_argument("--control", action="store_true",
@@ -204,6 +206,28 @@ def main(argv=None):
         return shown
     if args.resume and not args.json:
         raise ValueError("--resume needs --json: the file of the interrupted run")
+    # every option checked before the model loads and the first point is measured
+    for text in args.policies:
+        if text != "threshold":
+            try:
+                engine_policy(text)
+            except ValueError as e:
+                p.error(f"--policies: {e}")
+    bad = [c for c in args.thresholds if not 0.0 <= c <= 1.0]
+    if bad:
+        p.error(f"--thresholds: expected confidences in [0, 1], got {bad}")
+    if args.prompts and not Path(args.prompts).is_dir():
+        p.error(f"--prompts {args.prompts}: expected a folder of JSONL prompt files")
+    if args.sps:
+        try:
+            SPSTable.load(args.sps)
+        except ValueError as e:
+            p.error(f"--sps: {e}")
+    if args.json and not args.resume:
+        try:
+            check_writable(args.json)
+        except ValueError as e:
+            p.error(f"--json: {e}")
     done = previous_rows(args) if args.resume else []
 
     t_start = time.perf_counter()

@@ -28,6 +28,7 @@ from dspark_jax.sharding import add_mesh_arguments, describe_mesh, mesh_from_arg
 from dspark_jax.plots import plot_sps
 from dspark_jax.io import check_writable
 from dspark_jax.timing import format_table
+from dspark_jax.cli import nonnegative_float, positive_float, positive_int
 
 DEFAULT_OUT = Path("runs/sps/sps_table.json")
 QUICK_BUCKETS = (8, 32, 128, 256, 512, 1024)
@@ -39,18 +40,18 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, help=f"JSON table (default {DEFAULT_OUT}); the PNG goes beside it")
     p.add_argument("--png", type=Path, help="plot path (default: --out with .png)")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
-    p.add_argument("--max-tokens", type=int, help="largest verification batch B (default 512; --quick 256)")
-    p.add_argument("--context-lengths", type=int, nargs="+",
+    p.add_argument("--max-tokens", type=positive_int, help="largest verification batch B (default 512; --quick 256)")
+    p.add_argument("--context-lengths", type=positive_int, nargs="+",
                    help="tokens held per request (default 120 248 504 1016, filling the windows 128 to 1024; "
                         "--quick 120)")
-    p.add_argument("--reference-context", type=int, help="context of the simple SPS(B) points (default: smallest)")
-    p.add_argument("--rows", type=int, nargs="+", help="row buckets (default: powers of two up to max-tokens / 8)")
-    p.add_argument("--repeats", type=int, help="timed calls per cell (default 5; --quick 2)")
-    p.add_argument("--max-seconds", type=float, help="stop repeating a cell after this long (>= 3 repeats)")
-    p.add_argument("--min-seconds", type=float,
+    p.add_argument("--reference-context", type=positive_int, help="context of the simple SPS(B) points (default: smallest)")
+    p.add_argument("--rows", type=positive_int, nargs="+", help="row buckets (default: powers of two up to max-tokens / 8)")
+    p.add_argument("--repeats", type=positive_int, help="timed calls per cell (default 5; --quick 2)")
+    p.add_argument("--max-seconds", type=positive_float, help="stop repeating a cell after this long (>= 3 repeats)")
+    p.add_argument("--min-seconds", type=nonnegative_float,
                    help="the programs of one (context, rows) group, timed in turns, take more turns (up to 4 x "
                         "--repeats) until their timed calls add up to this (default 1; --quick 0)")
-    p.add_argument("--block", type=int, default=measure.DEFAULT_BLOCK, help="drafted tokens per request G")
+    p.add_argument("--block", type=positive_int, default=measure.DEFAULT_BLOCK, help="drafted tokens per request G")
     p.add_argument("--window-rule", choices=("pow2", "step"), default="step",
                    help="attention windows: multiples of 128 (the engine default) or powers of two from 128")
     p.add_argument("--no-drafter", action="store_true", help="record no draft cost")

@@ -4,12 +4,12 @@ import doctest
 
 import pytest
 
-from dspark_jax import build, calibration, data, gate, io, sampling, scheduler, sharding, stages, timing, verify
+from dspark_jax import build, calibration, cli, data, gate, io, sampling, scheduler, sharding, stages, timing, verify
 from dspark_jax.sps import cost_model, dense, tables
 
 
 @pytest.mark.parametrize("module", [scheduler, verify, calibration, cost_model, dense, tables, data, io, build, sharding,
-                                    stages, timing, gate, sampling])
+                                    stages, timing, gate, sampling, cli])
 def test_doctests(module):
     result = doctest.testmod(module, extraglobs={"jnp": __import__("jax.numpy").numpy}, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0

@@ -3,6 +3,7 @@ scripts' options and their errors on bad input, on tiny random configs."""
 
 import doctest
 import json
+import re
 import types
 
 import jax.numpy as jnp
@@ -184,11 +185,12 @@ def test_bad_options_stop_at_parsing(setup, monkeypatch, capsys, extra, error):
     assert error in capsys.readouterr().err
 
 
-def test_bad_inputs_fail_before_training(setup, monkeypatch):
+def test_bad_inputs_fail_before_training(setup, monkeypatch, capsys):
     s = setup
     monkeypatch.setattr(train_drafter.training, "train", fail_if_reached)
-    with pytest.raises(ValueError, match="--init-from .*missing.*: no such folder"):
+    with pytest.raises(SystemExit):  # a parser error, before the target loads
         train_drafter.main(run_args(s, "--init-from", str(s.tmp / "missing"), "--train", "heads"))
+    assert re.search("--init-from .*missing: expected one of", capsys.readouterr().err)
     wide_cfg = LlamaConfig.tiny(dim=48)
     other = drafter_files.save_drafter(Drafter(DrafterConfig.for_target(wide_cfg, n_layers=1, ffn_dim=16, rank=4),
                                           rngs=nnx.Rngs(0)), s.tmp / "other")
@@ -209,23 +211,29 @@ def test_bad_inputs_fail_before_training(setup, monkeypatch):
         train_drafter.main(run_args(s, "--init-from", str(markov), "--train", "heads"))
 
 
-def test_calibrate_never_writes_into_the_package(monkeypatch, tmp_path):
+def test_calibrate_never_writes_into_the_package(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(calibrate, "load_target", fail_if_reached)
-    with pytest.raises(ValueError, match="--draft dspark: the drafter lives in the installed package.*--out"):
-        calibrate.main(["--draft", "dspark"])
+
+    def refused(argv, pattern):  # a parser error (status 2) naming the problem, before the model loads
+        with pytest.raises(SystemExit) as e:
+            calibrate.main(argv)
+        assert e.value.code == 2 and re.search(pattern, capsys.readouterr().err)
+
+    refused(["--draft", "dspark"], "--draft dspark: the drafter lives in the installed package.*--out")
     inside = drafters.shipped_dir("dspark").parent / "mine"
-    with pytest.raises(ValueError, match="--out .*mine: lies inside the installed package"):
-        calibrate.main(["--draft", "dflash", "--out", str(inside)])
+    refused(["--draft", "dflash", "--out", str(inside)], "--out .*mine: lies inside the installed package")
     assert not inside.exists()
-    # A user folder is the default destination; prompts are checked before the model loads.
-    with pytest.raises(ValueError, match="prompts: .*nothing.jsonl is neither"):
-        calibrate.main(["--draft", str(tmp_path), "--prompts", str(tmp_path / "nothing.jsonl")])
+    refused(["--draft", str(tmp_path)], f"--draft {re.escape(str(tmp_path))}: expected one of")  # not a drafter
+    # prompts are checked before the model loads
+    refused(["--draft", "dflash", "--out", str(tmp_path / "o"), "--prompts", str(tmp_path / "nothing.jsonl")],
+            "prompts: .*nothing.jsonl is neither")
 
 
 @pytest.mark.parametrize("script, extra", [(calibrate, ["--draft", "dflash", "--out", "x"]), (evaluate, [])])
 def test_scripts_load_the_named_model(monkeypatch, tmp_path, script, extra):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"turns": ["hi"]}\n{"turns": ["ho"]}\n')
+    (tmp_path / "m.gguf").write_bytes(b"")  # --model must name a file that exists; the loader is replaced
     seen = {}
 
     def load(model=None, dtype=None, mesh=None):
@@ -234,8 +242,8 @@ def test_scripts_load_the_named_model(monkeypatch, tmp_path, script, extra):
 
     monkeypatch.setattr(script, "load_target", load)
     with pytest.raises(KeyboardInterrupt):
-        script.main([*extra, "--prompts", str(prompts), "--model", "m.gguf", "--dtype", "bfloat16"])
-    assert seen == {"model": "m.gguf", "dtype": "bfloat16"}
+        script.main([*extra, "--prompts", str(prompts), "--model", str(tmp_path / "m.gguf"), "--dtype", "bfloat16"])
+    assert seen == {"model": str(tmp_path / "m.gguf"), "dtype": "bfloat16"}
 
 
 def test_copy_drafter_adds_the_calibration_atomically(tmp_path):
@@ -272,7 +280,7 @@ def test_calibrate_fits_a_set_per_temperature_and_the_engine_reads_them(setup, m
     assert report["temperature"] == 1.0 and [e["temperature"] for e in report["sets"]] == [0.0, 1.0]
     assert report["sets"][1]["temperatures"] == report["temperatures"]
     assert all("reliability_sts" in e for e in report["sets"])
-    with pytest.raises(ValueError, match="--temperatures"):
+    with pytest.raises(SystemExit):  # a parser error naming the option
         calibrate.main(["--draft", str(folder), "--prompts", str(prompts), "--temperatures", "-1"])
 
 

@@ -24,10 +24,12 @@ import numpy as np
 from dspark_jax import calibration
 from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.sharding import mesh_from_args
-from dspark_jax.drafters import SHIPPED, copy_drafter, installed_package_path, resolve_drafter, shipped_dir
+from dspark_jax.drafters import (SHIPPED, copy_drafter, drafter_source, installed_package_path, resolve_drafter,
+                                 shipped_dir)
 from dspark_jax.evaluation import encode_first_turns, evaluate_rounds, fixed_block_rounds, half_per_file, pooled
 from dspark_jax.plots import plot_reliability
 from dspark_jax.timing import write_json
+from dspark_jax.cli import nonnegative_int, positive_int, temperature
 
 
 def output_folder(draft: str, out: str | None) -> Path:
@@ -56,22 +58,24 @@ def main(argv=None):
                                  "must not be in the installed package)")
     add_model_arguments(p, draft=False)
     p.add_argument("--prompts", nargs="+", default=["../shared/data/prompts/dev"])
-    p.add_argument("--limit", type=int, default=24, help="prompts per file from the calibration half")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-prompt-tokens", type=int, default=640)
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0],
+    p.add_argument("--limit", type=positive_int, default=24, help="prompts per file from the calibration half")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=640)
+    p.add_argument("--temperatures", type=temperature, nargs="+", default=[0.0, 1.0],
                    help="sampling temperatures to fit a set at (each request uses the set fitted nearest its own)")
     p.add_argument("--offsets", action=argparse.BooleanOptionalAction, default=True,
                    help="fit a logit offset per position beside each STS temperature (calibration.fit_sts_bias); "
                         "--no-offsets fits the paper's temperatures alone")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--concurrency", type=positive_int, default=8)
+    p.add_argument("--seed", type=nonnegative_int, default=1)
     args = p.parse_args(argv)
     at = sorted(set(args.temperatures))
-    if any(not (t >= 0 and t < float("inf")) for t in at):
-        raise ValueError(f"--temperatures: expected finite numbers >= 0, got {args.temperatures}")
-    out = output_folder(args.draft, args.out)
-    chosen_per_file = half_per_file(sorted(args.prompts), "calib", args.limit)  # checks the files first
+    try:
+        drafter_source(args.draft)
+        out = output_folder(args.draft, args.out)
+        chosen_per_file = half_per_file(sorted(args.prompts), "calib", args.limit)  # checks the files first
+    except (ValueError, OSError) as e:
+        p.error(str(e))
     mesh = mesh_from_args(args)
     model = load_target(args.model, dtype=args.dtype, mesh=mesh)
     drafter, _, _, path = resolve_drafter(args.draft, target_cfg=model.cfg)

@@ -31,10 +31,20 @@ def read_run(folder: Path) -> dict:
     for path in (run_json, metrics):
         if not path.is_file():
             raise SystemExit(f"{folder}: no {path.name}; expected a train.train_drafter --run folder")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = []
+    for n, line in enumerate(metrics.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{metrics}:{n}: not a JSON line ({e}); expected train.train_drafter's metrics") from None
+    try:
+        run = json.loads(run_json.read_text())
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{run_json}: not valid JSON ({e})") from None
     export = folder / "export" / "config.json"  # written when the run finished: its parameter count
     training = json.loads(export.read_text())["training"] if export.is_file() else {}
-    return {"name": folder.name, "run": json.loads(run_json.read_text()), "rows": rows,
+    return {"name": folder.name, "run": run, "rows": rows,
             "params": training.get("params"), "args": training.get("args", {})}
 
 

@@ -17,23 +17,24 @@ import argparse
 from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.calibration import STSSets
 from dspark_jax.sharding import mesh_from_args
-from dspark_jax.drafters import resolve_drafter
+from dspark_jax.drafters import drafter_source, resolve_drafter
 from dspark_jax.io import check_writable
 from dspark_jax.evaluation import encode_chosen, evaluate_rounds, fixed_block_rounds, half_per_file
 from dspark_jax.timing import write_json
+from dspark_jax.cli import nonnegative_int, positive_int, temperature
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)  # --model, --dtype, --draft
     p.add_argument("--prompts", nargs="+", required=True, help="JSONL files or folders")
-    p.add_argument("--limit", type=int, help="prompts per file (after --half)")
+    p.add_argument("--limit", type=positive_int, help="prompts per file (after --half)")
     p.add_argument("--half", default="all", choices=["all", "calib", "eval"])
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-prompt-tokens", type=int, default=640)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=640)
+    p.add_argument("--temperature", type=temperature, default=1.0)
+    p.add_argument("--concurrency", type=positive_int, default=8)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--no-sts", action="store_true", help="ignore the drafter's STS temperatures")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args(argv)
@@ -42,7 +43,11 @@ def main(argv=None):
             check_writable(args.json)  # before the decoding, not after it
         except ValueError as e:
             p.error(f"--json: {e}")
-    chosen_per_file = half_per_file(args.prompts, args.half, args.limit)
+    try:
+        chosen_per_file = half_per_file(args.prompts, args.half, args.limit)
+        drafter_source(args.draft)
+    except (ValueError, OSError) as e:
+        p.error(str(e))
     mesh = mesh_from_args(args)
     model = load_target(args.model, dtype=args.dtype, mesh=mesh)
     drafter, meta, temps, path = resolve_drafter(args.draft, target_cfg=model.cfg)

@@ -63,6 +63,8 @@ def main(argv=None):
         prompts = load_prompts(args.prompts, limit=args.limit)
     except ValueError as e:
         p.error(str(e))
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        p.error(f"--out {args.out}: a file; expected a folder (new, or one this command started: it resumes)")
     order = np.random.default_rng(args.shuffle_seed).permutation(len(prompts))
     prompts = [prompts[i] for i in order][: args.max_prompts]
     model = load_target(args.model, dtype=args.dtype)

@@ -35,7 +35,10 @@ def main(argv=None):
     p.add_argument("--int8", action="store_true", help="store weight matrices as int8 (about half the size)")
     args = p.parse_args(argv)
     if Path(args.out).resolve() == Path(args.draft).resolve():
-        raise SystemExit("--out must differ from --draft (the source is read while the copy is written)")
+        p.error("--out must differ from --draft (the source is read while the copy is written)")
+    if not ((Path(args.draft) / "config.json").is_file() and (Path(args.draft) / "weights.npz").is_file()):
+        p.error(f"--draft {args.draft}: expected a drafter folder with config.json and weights.npz (ours; a DeepSpec "
+                f"checkpoint is read by --draft directly, not packed)")
     out = pack(args.draft, args.out, int8=args.int8)
     files = sorted(out.iterdir())
     print(json.dumps({"out": str(out), "files": [f.name for f in files], "bytes": sum(f.stat().st_size for f in files)}))

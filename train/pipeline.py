@@ -219,6 +219,12 @@ def check_inputs(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"--context-tokens {args.context_tokens}: expected an integer >= 1")
     if not args.kl >= 0:
         p.error(f"--kl {args.kl}: expected a weight >= 0")
+    if args.layers is not None and args.layers < 1:
+        p.error(f"--layers {args.layers}: expected an integer >= 1")
+    if args.draft_vocab is not None and args.draft_vocab < 0:
+        p.error(f"--draft-vocab {args.draft_vocab}: expected an integer >= 0 (0: the whole vocabulary)")
+    if args.model is not None and not Path(args.model).exists():
+        p.error(f"--model {args.model}: no such file or folder (a GGUF file or a Hugging Face checkpoint folder)")
     if args.init_layers is not None:
         from train.train_drafter import FRESH_DEFAULTS  # noqa: PLC0415 (loads JAX: only when the option is given)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_jax.io import atomic_write_text
+from dspark_jax.io import atomic_write_text, check_writable
 
 
 def pooled_ece(reports: list[dict], key: str) -> float | None:
@@ -132,13 +132,26 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.first is not None and args.first < 1:
         p.error(f"--first: expected >= 1, got {args.first}")
+    if args.json:
+        try:
+            check_writable(args.json)
+        except ValueError as e:
+            p.error(f"--json: {e}")
     reports = {}
     for d in args.drafts:
         for dom in args.domains:
             path = Path(args.dir) / f"{d}_{dom}.json"
             if not path.is_file():
                 raise SystemExit(f"missing report {path}: run train.evaluate --json {path} first")
-            reports[d, dom] = json.loads(path.read_text())
+            try:
+                report = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}: not valid JSON ({e}); expected a train.evaluate --json report") from None
+            missing = [k for k in ("rounds", "accept_len", "per_position") if not isinstance(report, dict)
+                       or k not in report]
+            if missing:
+                raise SystemExit(f"{path}: lacks {', '.join(missing)}; expected a train.evaluate --json report")
+            reports[d, dom] = report
     kept = all("per_request" in r for r in reports.values())
     if args.first is not None:
         if not kept:

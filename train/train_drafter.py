@@ -30,7 +30,8 @@ from flax import nnx
 from dspark_jax import data, heads, training
 from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.sharding import mesh_from_args
-from dspark_jax.drafters import SHIPPED, resolve_drafter
+from dspark_jax.drafters import SHIPPED, drafter_source, resolve_drafter
+from dspark_jax.cli import nonnegative_float, nonnegative_int, positive_float, positive_int
 from dspark_jax.models import drafter_files
 from dspark_jax.models.drafter import Drafter, DrafterConfig
 from dspark_jax.plots import plot_training
@@ -133,12 +134,12 @@ def main(argv=None):
     p.add_argument("--train", choices=heads.TRAIN_PARTS, default="all",
                    help="what to train: all parameters, the heads on a frozen backbone, or the confidence head "
                         "alone (heads and confidence need --init-from)")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--layers", type=int, default=None, help=f"default {FRESH_DEFAULTS['layers']}")
-    p.add_argument("--ffn", type=int, default=None, help=f"default {FRESH_DEFAULTS['ffn']}")
-    p.add_argument("--rank", type=int, default=None, help="Markov / RNN head rank (default: the spec's 256, or "
+    p.add_argument("--steps", type=positive_int, default=2000)
+    p.add_argument("--layers", type=positive_int, default=None, help=f"default {FRESH_DEFAULTS['layers']}")
+    p.add_argument("--ffn", type=positive_int, default=None, help=f"default {FRESH_DEFAULTS['ffn']}")
+    p.add_argument("--rank", type=positive_int, default=None, help="Markov / RNN head rank (default: the spec's 256, or "
                                                           "the --init-from drafter's)")
-    p.add_argument("--block", type=int, default=None, help=f"default {FRESH_DEFAULTS['block']}")
+    p.add_argument("--block", type=positive_int, default=None, help=f"default {FRESH_DEFAULTS['block']}")
     p.add_argument("--tap-norm", action="store_true",
                    help="RMS-normalise each tapped target layer before the context projection (new drafters)")
     p.add_argument("--init-layers", type=int, nargs="+", default=None, metavar="I",
@@ -147,31 +148,27 @@ def main(argv=None):
     p.add_argument("--no-init-context", action="store_true",
                    help="with --init-layers: keep the context projection fresh (by default it starts as the "
                         "deepest tapped layer, normalised as the first copied layer normalises its input)")
-    p.add_argument("--draft-vocab", type=int, default=None,
+    p.add_argument("--draft-vocab", type=nonnegative_int, default=None,
                    help=f"0 = full target vocabulary (default {FRESH_DEFAULTS['draft_vocab']})")
-    p.add_argument("--kl", type=float, default=0.0, metavar="WEIGHT",
+    p.add_argument("--kl", type=nonnegative_float, default=0.0, metavar="WEIGHT",
                    help="weight of the distillation term (soft cross-entropy against the target's distribution "
                         "over the draft vocabulary; see dspark_jax.training); default 0: the spec's loss")
     p.add_argument("--val-cache", default=None, metavar="DIR",
                    help="a target cache of held-out sequences (train.build_cache of other shards): its validation "
                         "loss and probabilistic accepted length go to metrics.jsonl every --val-every steps")
-    p.add_argument("--val-every", type=int, default=100)
+    p.add_argument("--val-every", type=positive_int, default=100)
     p.add_argument("--validate-only", action="store_true",
                    help="train nothing: the --init-from drafter's held-out metrics on --val-cache go to "
                         "RUN/validation.json (the blocks training runs are validated on)")
-    p.add_argument("--blocks", type=int, default=256, help="blocks per batch")
-    p.add_argument("--context-tokens", type=int, default=8192,
+    p.add_argument("--blocks", type=positive_int, default=256, help="blocks per batch")
+    p.add_argument("--context-tokens", type=positive_int, default=8192,
                    help="context tokens per batch: with --blocks, how many sequences a step draws its blocks from "
                         "(8192: 8 to 32 sequences; 2048 learned less per step, docs/design.md)")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=positive_float, default=6e-4)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     args = p.parse_args(argv)
 
     # Every check that needs no model comes first.
-    if args.steps < 1:
-        p.error(f"--steps {args.steps}: expected at least 1")
-    if args.val_every < 1:
-        p.error(f"--val-every {args.val_every}: expected at least 1")
     if args.init_from is None:
         if args.train != "all":
             p.error(f"--train {args.train} trains part of an existing drafter: name it with --init-from DRAFTER")
@@ -181,9 +178,10 @@ def main(argv=None):
         given += ["--init-layers"] if args.init_layers is not None else []
         if given:
             p.error(f"{', '.join(given)}: the architecture comes from --init-from {args.init_from}; drop them")
-        if args.init_from not in SHIPPED and not Path(args.init_from).exists():
-            raise ValueError(f"--init-from {args.init_from}: no such folder; expected one of {SHIPPED} or a "
-                             f"drafter folder")
+        try:
+            drafter_source(args.init_from)
+        except ValueError as e:
+            p.error(str(e).replace("--draft", "--init-from", 1))
     n_layers = FRESH_DEFAULTS["layers"] if args.layers is None else args.layers
     if args.init_layers is not None and len(args.init_layers) != n_layers:
         p.error(f"--init-layers {' '.join(map(str, args.init_layers))}: expected one target layer per drafter "
@@ -194,11 +192,14 @@ def main(argv=None):
         p.error("--validate-only: name the drafter with --init-from and the held-out cache with --val-cache")
     if args.kind == "dflash" and args.head is not None:
         p.error("--head: a DFlash drafter has no sequential head")
-    if not args.kl >= 0.0:
-        p.error(f"--kl {args.kl}: expected a weight >= 0")
     if args.kl and args.train == "confidence":
         p.error("--kl: --train confidence trains the confidence head alone, which the distillation term does not reach")
-    cache = None if args.validate_only else data.open_target_cache(args.cache)  # validation reads no training data
+    try:
+        cache = None if args.validate_only else data.open_target_cache(args.cache)  # validation reads no training data
+        if args.val_cache is not None:
+            data.open_target_cache(args.val_cache)
+    except (ValueError, OSError) as e:
+        p.error(str(e))
     run = Path(args.run)
 
     mesh = mesh_from_args(args)  # data-parallel training over --data-parallel-size devices

@@ -14,9 +14,11 @@ Ctrl-C (SIGINT) or SIGTERM stops taking requests and finishes those accepted.
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
 from dspark_jax.build import add_engine_arguments, engine_from_args, load_target, target_name
+from dspark_jax.cli import check_engine_arguments, nonnegative_float, port, positive_int
 from dspark_jax.sharding import mesh_from_args
 
 
@@ -25,16 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000, help="TCP port (0: any free one)")
     p.add_argument("--served-model-name", help="the model id clients pass (default: the model file or folder "
                                                "name without its extension)")
-    p.add_argument("--num-slots", type=int, default=16, help="requests decoded together")
-    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longest prompt (sizes the cache)")
-    p.add_argument("--max-new-tokens", type=int, default=256,
+    p.add_argument("--num-slots", type=positive_int, default=16, help="requests decoded together")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=512, help="longest prompt (sizes the cache)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256,
                    help="the output budget of a request that gives no max_tokens (sizes the cache)")
-    p.add_argument("--max-queued-requests", type=int, default=256,
+    p.add_argument("--max-queued-requests", type=positive_int, default=256,
                    help="accepted requests that may wait for a slot; more are refused with 429")
-    p.add_argument("--queue-timeout", type=float, default=600.0,
+    p.add_argument("--queue-timeout", type=nonnegative_float, default=600.0,
                    help="seconds a request may wait for a slot before it is refused with 503 (0: no limit)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request but /health")
     p.add_argument("--warm-up", action="store_true",
@@ -43,12 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    for name in ("num_slots", "max_prompt_tokens", "max_new_tokens", "max_queued_requests"):
-        if getattr(args, name) < 1:
-            build_parser().error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.queue_timeout < 0:
-        build_parser().error("--queue-timeout must be >= 0 (0: no limit)")
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.api_key is not None and not args.api_key.strip():
+        p.error("--api-key: expected a non-empty key (omit the option to serve without one)")
+    try:
+        socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        p.error(f"--host {args.host}: not an address this machine can bind ({e})")
+    check_engine_arguments(p, args)
     import uvicorn  # noqa: PLC0415
 
     from dspark_jax.serve.app import create_app  # noqa: PLC0415
