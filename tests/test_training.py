@@ -345,7 +345,7 @@ def test_target_cache_shares_a_prompt_pass_without_changing_rows(tmp_path, monke
                                 progress=False)
 
 
-def test_pack_drafter_carries_side_files_and_shrinks_storage(tmp_path, monkeypatch):
+def test_pack_drafter_carries_side_files_and_shrinks_storage(tmp_path, monkeypatch, capsys):
     from train import pack_drafter
 
     monkeypatch.setattr(drafter_files, "INT8_MIN_SIZE", 16)
@@ -358,5 +358,9 @@ def test_pack_drafter_carries_side_files_and_shrinks_storage(tmp_path, monkeypat
     meta = json.loads((out / "config.json").read_text())
     assert meta["training"] == {"steps": 3} and meta["storage"].startswith("int8")
     assert (out / "weights.npz").stat().st_size < (src / "weights.npz").stat().st_size
-    with pytest.raises(SystemExit, match="--out must differ"):
+    with pytest.raises(SystemExit):  # parser errors: status 2, the message on stderr
         pack_drafter.main(["--draft", str(src), "--out", str(src)])
+    assert "--out must differ" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pack_drafter.main(["--draft", str(tmp_path), "--out", str(tmp_path / "x")])
+    assert f"--draft {tmp_path}: expected a drafter folder" in capsys.readouterr().err
