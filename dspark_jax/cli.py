@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 
 __all__ = ["positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "temperature", "port",
-           "existing_file", "model_path", "check_engine_arguments"]
+           "existing_file", "writable_file", "model_path", "check_engine_arguments"]
 
 
 def _int(text: str, least: int) -> int:
@@ -82,6 +82,18 @@ def existing_file(text: str) -> str:
     """A path to a file that exists."""
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"{text}: no such file" + (" (a folder)" if Path(text).is_dir() else ""))
+    return text
+
+
+def writable_file(text: str) -> str:
+    """A file the tool will write (`io.check_writable`: its folder exists and takes a file), checked at parsing
+    rather than after the long work that produces it."""
+    from dspark_jax.io import check_writable  # noqa: PLC0415
+
+    try:
+        check_writable(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

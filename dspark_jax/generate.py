@@ -27,10 +27,10 @@ from pathlib import Path
 import jax
 
 from dspark_jax.build import add_engine_arguments, engine_from_args, load_target
-from dspark_jax.cli import check_engine_arguments, existing_file, positive_int
+from dspark_jax.cli import check_engine_arguments, existing_file, positive_int, writable_file
 from dspark_jax.data import parse_turns
 from dspark_jax.engine import Completion, Engine
-from dspark_jax.io import atomic_write_text, check_writable
+from dspark_jax.io import atomic_write_text
 from dspark_jax.sharding import mesh_from_args
 
 
@@ -80,10 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(p)
     p.add_argument("--concurrency", "--num-slots", dest="concurrency", type=positive_int,
                    help="requests decoded together (default: min(prompts, 16))")
-    p.add_argument("--json", dest="json_out", help="write results and speed to this JSON file")
+    p.add_argument("--json", dest="json_out", type=writable_file, help="write results and speed to this JSON file")
     p.add_argument("--quiet", action="store_true", help="do not stream or print generated text")
-    p.add_argument("--trace", help="write per round and request the drafted tokens, confidences, scheduled length "
-                                   "and accepted count to this file (JSON lines)")
+    p.add_argument("--trace", type=writable_file,
+                   help="write per round and request the drafted tokens, confidences, scheduled length and accepted "
+                        "count to this file (JSON lines)")
     return p
 
 
@@ -100,12 +101,6 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("give --prompt TEXT or --prompts FILE.jsonl")
     args.concurrency = args.concurrency or min(len(prompts), 16)
     check_engine_arguments(p, args)
-    for flag, path in (("--trace", args.trace), ("--json", args.json_out)):
-        if path:
-            try:
-                check_writable(path)
-            except ValueError as e:
-                p.error(f"{flag}: {e}")
     mesh = mesh_from_args(args)  # before anything touches JAX (a multi-process run joins here)
     if mesh is None:
         model = load_target(args.model, dtype=args.dtype)

@@ -20,8 +20,7 @@ from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.measure import random_drafter
 from dspark_jax.stages import round_stage_rows
 from dspark_jax.timing import device_info, format_table, write_json
-from dspark_jax.cli import positive_int
-from dspark_jax.io import check_writable
+from dspark_jax.cli import positive_int, writable_file
 
 
 def main(argv=None):
@@ -29,15 +28,11 @@ def main(argv=None):
     add_model_arguments(p, draft=False)
     p.add_argument("--quick", action="store_true",
                    help="one user, verification of 1, 4, 8 tokens, rounds none and fixed:3/7, fewer repeats")
-    p.add_argument("--json", help="write the rows and the device description here")
+    p.add_argument("--json", type=writable_file, help="write the rows and the device description here (checked "
+                                                       "before the benchmark, not after it)")
     p.add_argument("--users", type=positive_int, nargs="+", help="numbers of users (default 1 4 16; quick: 1)")
     p.add_argument("--context", type=positive_int, default=140, help="tokens each request holds")
     args = p.parse_args(argv)
-    if args.json:
-        try:
-            check_writable(args.json)  # before the benchmark, not after it
-        except ValueError as e:
-            p.error(f"--json: {e}")
 
     target = load_target(args.model, dtype=args.dtype)
     drafter = random_drafter(target.cfg)

@@ -27,8 +27,7 @@ from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.models.llama import LlamaModel, bucket_for, decode_step, forward_packed
 from dspark_jax.stages import target_step_rows
 from dspark_jax.timing import device_info, format_table, time_call, write_json
-from dspark_jax.cli import positive_int
-from dspark_jax.io import check_writable
+from dspark_jax.cli import positive_int, writable_file
 
 
 def filled_cache(model: LlamaModel, num_slots: int, capacity: int, context: int):
@@ -86,18 +85,14 @@ def bench_verify(model, sizes, context, num_slots, repeats, modes):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the floor table at 1 and 4 slots only, fewer repeats")
-    p.add_argument("--json", help="write the rows and the device description here")
+    p.add_argument("--json", type=writable_file, help="write the rows and the device description here (checked "
+                                                       "before the benchmark, not after it)")
     add_model_arguments(p, draft=False)
     p.add_argument("--context", type=positive_int, default=256, help="committed tokens per slot")
     p.add_argument("--floor-only", action="store_true", help="only the table beside the weights-only floor")
     p.add_argument("--cache-dtype", choices=("float32", "bfloat16", "float16"),
                    help="the floor table's KV cache dtype (default: the weights')")
     args = p.parse_args(argv)
-    if args.json:
-        try:
-            check_writable(args.json)  # before the benchmark, not after it
-        except ValueError as e:
-            p.error(f"--json: {e}")
 
     model = load_target(args.model, dtype=args.dtype)
     repeats = 3 if args.quick else 7

@@ -18,10 +18,9 @@ from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.calibration import STSSets
 from dspark_jax.sharding import mesh_from_args
 from dspark_jax.drafters import drafter_source, resolve_drafter
-from dspark_jax.io import check_writable
 from dspark_jax.evaluation import encode_chosen, evaluate_rounds, fixed_block_rounds, half_per_file
 from dspark_jax.timing import write_json
-from dspark_jax.cli import nonnegative_int, positive_int, temperature
+from dspark_jax.cli import nonnegative_int, positive_int, temperature, writable_file
 
 
 def main(argv=None):
@@ -36,13 +35,8 @@ def main(argv=None):
     p.add_argument("--concurrency", type=positive_int, default=8)
     p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--no-sts", action="store_true", help="ignore the drafter's STS temperatures")
-    p.add_argument("--json", metavar="OUT")
+    p.add_argument("--json", metavar="OUT", type=writable_file)  # checked before the decoding, not after it
     args = p.parse_args(argv)
-    if args.json:
-        try:
-            check_writable(args.json)  # before the decoding, not after it
-        except ValueError as e:
-            p.error(f"--json: {e}")
     try:
         chosen_per_file = half_per_file(args.prompts, args.half, args.limit)
         drafter_source(args.draft)

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_jax.io import atomic_write_text, check_writable
+from dspark_jax.cli import writable_file
+from dspark_jax.io import atomic_write_text
 
 
 def pooled_ece(reports: list[dict], key: str) -> float | None:
@@ -126,17 +127,12 @@ def main(argv=None):
     p.add_argument("--dir", default="runs/eval")
     p.add_argument("--drafts", nargs="+", default=["dflash", "dspark"])
     p.add_argument("--domains", nargs="+", default=["gsm8k", "mbpp", "livecodebench", "arena-hard", "mt-bench"])
-    p.add_argument("--json", metavar="OUT", help="write the pooled numbers as JSON")
+    p.add_argument("--json", metavar="OUT", type=writable_file, help="write the pooled numbers as JSON")
     p.add_argument("--first", type=int, metavar="N",
                    help="only the first N prompts of each report's file (what train.evaluate --limit N chose)")
     args = p.parse_args(argv)
     if args.first is not None and args.first < 1:
         p.error(f"--first: expected >= 1, got {args.first}")
-    if args.json:
-        try:
-            check_writable(args.json)
-        except ValueError as e:
-            p.error(f"--json: {e}")
     reports = {}
     for d in args.drafts:
         for dom in args.domains:
