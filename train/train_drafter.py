@@ -196,8 +196,7 @@ def main(argv=None):
         p.error("--kl: --train confidence trains the confidence head alone, which the distillation term does not reach")
     try:
         cache = None if args.validate_only else data.open_target_cache(args.cache)  # validation reads no training data
-        if args.val_cache is not None:
-            data.open_target_cache(args.val_cache)
+        val_cache = None if args.val_cache is None else data.open_target_cache(args.val_cache)
     except (ValueError, OSError) as e:
         p.error(str(e))
     run = Path(args.run)
@@ -206,9 +205,7 @@ def main(argv=None):
     target = load_target(args.model, dtype=args.dtype)
     if cache is not None:
         check_cache_fits(cache, args.cache, target.cfg)
-    val_cache = None
-    if args.val_cache is not None:
-        val_cache = data.open_target_cache(args.val_cache)
+    if val_cache is not None:
         check_cache_fits(val_cache, args.val_cache, target.cfg)
     if args.validate_only:
         return validate_only(args, target, val_cache)
