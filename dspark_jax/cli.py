@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 
 __all__ = ["positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "temperature", "port",
-           "existing_file", "writable_file", "model_path", "check_engine_arguments"]
+           "existing_file", "writable_file", "model_path", "check_engine_arguments", "parse_with_quick"]
 
 
 def _int(text: str, least: int) -> int:
@@ -132,3 +132,29 @@ def check_engine_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
             precheck_for_model(draft, getattr(args, "model", None))
         except ValueError as e:
             p.error(str(e) if str(e).startswith("--draft") else f"--draft: {e}")
+
+
+def parse_with_quick(p: argparse.ArgumentParser, argv=None, **quick) -> argparse.Namespace:
+    """Parse ``argv``; with ``--quick`` the ``quick`` values replace the defaults of their options, while an
+    option given on the command line keeps its value (``--quick --concurrency 4`` measures 4 users).
+
+    >>> p = argparse.ArgumentParser()
+    >>> _ = p.add_argument("--quick", action="store_true")
+    >>> _ = p.add_argument("--repeats", type=int, default=7)
+    >>> _ = p.add_argument("--users", type=int, default=16)
+    >>> a = parse_with_quick(p, ["--quick", "--users", "4"], repeats=2, users=1)
+    >>> a.repeats, a.users
+    (2, 4)
+    """
+    args = p.parse_args(argv)
+    unknown = sorted(k for k in quick if not hasattr(args, k))
+    if unknown:
+        raise ValueError(f"quick defaults for options the parser does not have: {unknown}")
+    if not getattr(args, "quick", False):
+        return args
+    before = {k: p.get_default(k) for k in quick}
+    p.set_defaults(**quick)
+    try:
+        return p.parse_args(argv)
+    finally:
+        p.set_defaults(**before)  # the parser's own defaults again, for its next use

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dspark_jax.cli import parse_with_quick, positive_int
 from dspark_jax.timing import device_info, format_table
 
 
@@ -58,17 +59,15 @@ def unrolled_lists(ks, vs, x):
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m profiling.bench_attention", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--slots", type=int, nargs="+", default=[16, 64])
-    p.add_argument("--context", type=int, nargs="+", default=[256, 1280])
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--group", type=int, default=3, help="query heads per KV head")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--layers", type=positive_int, default=30)
+    p.add_argument("--slots", type=positive_int, nargs="+", default=[16, 64])
+    p.add_argument("--context", type=positive_int, nargs="+", default=[256, 1280])
+    p.add_argument("--kv-heads", type=positive_int, default=3)
+    p.add_argument("--group", type=positive_int, default=3, help="query heads per KV head")
+    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--quick", action="store_true", help="8 layers, 16 slots, context 256")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.layers, args.slots, args.context, args.repeats = 8, [16], [256], 3
+    args = parse_with_quick(p, argv, layers=8, slots=[16], context=[256], repeats=3)
     L, K, Q, E = args.layers, args.kv_heads, args.group, args.head_dim
     rows = []
     for S in args.slots:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.build import add_model_arguments, load_target
+from dspark_jax.cli import parse_with_quick, positive_int, temperature
 from dspark_jax.data import load_prompts
 from dspark_jax.datagen import generate_responses
 from dspark_jax import decoding
@@ -35,13 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p, draft=False)
     p.add_argument("--prompt-dir", help="folder of JSONL prompts (default: the training prompts or the shipped ones)")
-    p.add_argument("--prompts", type=int, default=48, help="prompts answered by each side")
-    p.add_argument("--samples", type=float, nargs="+", default=[0.0, 1.0, 1.0, 1.0, 1.0])
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-tokens", type=int, default=1024)
-    p.add_argument("--slots", type=int, default=64, help="the new generator's slots")
-    p.add_argument("--old-slots", type=int, default=24, help="chunked plain decoding's slots")
-    p.add_argument("--old-chunk", type=int, default=96, help="chunked plain decoding's prompts per chunk")
+    p.add_argument("--prompts", type=positive_int, default=48, help="prompts answered by each side")
+    p.add_argument("--samples", type=temperature, nargs="+", default=[0.0, 1.0, 1.0, 1.0, 1.0])
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=1024)
+    p.add_argument("--slots", type=positive_int, default=64, help="the new generator's slots")
+    p.add_argument("--old-slots", type=positive_int, default=24, help="chunked plain decoding's slots")
+    p.add_argument("--old-chunk", type=positive_int, default=96, help="chunked plain decoding's prompts per chunk")
     p.add_argument("--quick", action="store_true", help="8 prompts, 32 new tokens, 16 and 8 slots")
     p.add_argument("--json", metavar="PATH")
     return p
@@ -55,9 +56,7 @@ def warm_up_generator(model, slots: int, capacity: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = build_parser().parse_args(argv)
-    if args.quick:
-        args.prompts, args.max_new_tokens, args.slots, args.old_slots = 8, 32, 16, 8
+    args = parse_with_quick(build_parser(), argv, prompts=8, max_new_tokens=32, slots=16, old_slots=8)
     model = load_target(args.model, dtype=args.dtype)
     tok = model.tokenizer
     train = Path("../shared/data/prompts/train")

@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from dspark_jax.build import add_model_arguments, build_engine, load_drafter_for, load_target, target_name
+from dspark_jax.cli import nonnegative_int, parse_with_quick, positive_int, temperature
 from dspark_jax.engine import parse_policy
 from dspark_jax.serving import ClosedLoop, mixed_prompts, summarize_windows
 from dspark_jax.sharding import mesh_from_args
@@ -44,15 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(p)
     p.add_argument("--sps", help="SPS table JSON (default: the packaged table chosen for this host)")
     p.add_argument("--policies", nargs="+", default=["none", "dspark"])
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-prompt-tokens", type=int, default=384)
-    p.add_argument("--warmup-tokens", type=int, default=None,
+    p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--temperature", type=temperature, default=0.0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=384)
+    p.add_argument("--warmup-tokens", type=nonnegative_int, default=None,
                    help="tokens before each measurement window (default: 64 x N)")
-    p.add_argument("--measure-tokens", type=int, default=None,
+    p.add_argument("--measure-tokens", type=positive_int, default=None,
                    help="tokens in each measurement window (default: 128 x N, at least 512)")
-    p.add_argument("--repeats", type=int, default=4, help="pairs of windows (in-process, HTTP) per point")
+    p.add_argument("--repeats", type=positive_int, default=4, help="pairs of windows (in-process, HTTP) per point")
     p.add_argument("--prompts", help="folder of JSONL prompts (default: ../shared/data/prompts/dev or shipped)")
     p.add_argument("--url", help="drive this running server instead (HTTP side only)")
     p.add_argument("--served-model-name", help="with --url: the model id the server serves")
@@ -162,17 +163,13 @@ def paired_point(engine, tokenizer, prompts, n, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = build_parser().parse_args(argv)
-    if args.quick:
-        args.concurrency, args.max_new_tokens, args.repeats, args.burn_in = [2], 16, 1, False
-        args.warmup_tokens, args.measure_tokens, args.max_prompt_tokens = 16, 48, 128
+    args = parse_with_quick(build_parser(), argv, concurrency=[2], max_new_tokens=16, repeats=1, burn_in=False,
+                            warmup_tokens=16, measure_tokens=48, max_prompt_tokens=128)
     for pol in args.policies:
         try:
             parse_policy(pol)
         except ValueError as e:
             build_parser().error(str(e))
-    if min(args.concurrency) < 1 or args.max_new_tokens < 1 or (args.measure_tokens or 1) < 1 or args.repeats < 1:
-        build_parser().error("--concurrency, --max-new-tokens, --measure-tokens and --repeats must be >= 1")
     mesh = mesh_from_args(args)
     target = load_target(args.model, dtype=args.dtype, mesh=mesh)
     prompts = [ids for _, ids in mixed_prompts(target.tokenizer, args.prompts, max_prompt_tokens=args.max_prompt_tokens)]

@@ -39,7 +39,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dspark_jax.cli import nonnegative_int, positive_int, temperature
+from dspark_jax.cli import nonnegative_int, parse_with_quick, positive_int, temperature
 from dspark_jax.build import (add_model_arguments, build_engine, cache_capacity, load_drafter_for, load_target,
                               target_name)
 from dspark_jax.engine import parse_policy
@@ -152,7 +152,8 @@ def paired_ratios(row: dict) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="concurrency 1 and 16, few policies and rounds (< 1 min)")
+    p.add_argument("--quick", action="store_true", help="concurrency 1 and 16, T = 0, three policies, short windows (< 1 min); options given explicitly "
+                        "keep their values")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--plots", metavar="DIR", help="write the PNG figures into this folder")
     p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
@@ -187,12 +188,8 @@ def main(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="keep the points (and threshold sweeps) already in --json from an interrupted run with the "
                         "same settings, and measure only the rest")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.concurrency, args.temperatures = [1, 16], [0.0]
-        args.policies = ["none", "fixed:3", "dspark"]
-        args.max_new_tokens, args.warmup_rounds, args.rounds, args.repeats = 48, 3, 6, 2
-        args.min_window_tokens = 12
+    args = parse_with_quick(p, argv, concurrency=[1, 16], temperatures=[0.0], policies=["none", "fixed:3", "dspark"],
+                            max_new_tokens=48, warmup_rounds=3, rounds=6, repeats=2, min_window_tokens=12)
     if args.control and CONTROL not in args.policies:
         args.policies = [*args.policies, CONTROL]
     if args.recompute:

@@ -55,7 +55,9 @@ def test_generate_and_serve(refused, tmp_path):
     for argv, text in ((["--port", "70000"], "expected a port in 0..65535"),
                        (["--api-key", " "], "--api-key: expected a non-empty key"),
                        (["--queue-timeout", "nan"], "argument --queue-timeout"),
-                       (["--host", "no.such.host.invalid"], "--host no.such.host.invalid: not an address")):
+                       (["--host", "no.such.host.invalid"], "--host no.such.host.invalid: not an address"),
+                       (["--num-processes", "2", "--process-id", "0"], "the server runs in one process"),
+                       (["--tensor-parallel-size", "0"], "argument --tensor-parallel-size")):
         refused(serve.main, argv, text)
 
 
@@ -80,3 +82,28 @@ def test_training_and_benchmarks(refused, tmp_path):
     (tmp_path / "dspark_gsm8k.json").write_text(json.dumps({"rounds": 3}))
     with pytest.raises(SystemExit, match="lacks accept_len, per_position"):
         summarize_eval.main(["--dir", str(tmp_path), "--drafts", "dspark", "--domains", "gsm8k"])
+
+
+def test_quick_keeps_options_given_explicitly(refused):
+    """`--quick` replaces defaults only: an option on the command line keeps its value, and a bad one is still
+    refused by name."""
+    import argparse
+
+    from dspark_jax.cli import parse_with_quick
+    from profiling import bench_attention, bench_datagen, bench_http
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--users", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--repeats", type=int, default=7)
+    assert vars(parse_with_quick(p, ["--quick", "--users", "4"], users=[1], repeats=2)) == \
+        {"quick": True, "users": [4], "repeats": 2}
+    assert vars(parse_with_quick(p, ["--users", "4"], users=[1], repeats=2)) == \
+        {"quick": False, "users": [4], "repeats": 7}
+    with pytest.raises(ValueError, match="does not have: \\['slots'\\]"):
+        parse_with_quick(p, ["--quick"], slots=3)
+    args = parse_with_quick(bench_http.build_parser(), ["--quick", "--concurrency", "4", "8"], concurrency=[2])
+    assert args.concurrency == [4, 8]
+    refused(bench_http.main, ["--quick", "--repeats", "0"], "argument --repeats: expected an integer >= 1")
+    refused(bench_attention.main, ["--quick", "--slots", "0"], "argument --slots")
+    refused(bench_datagen.main, ["--quick", "--samples", "-1"], "argument --samples")
