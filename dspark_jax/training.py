@@ -271,41 +271,60 @@ def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None,
     if start == 0 and metrics_path.exists():
         metrics_path.unlink()
     elif start > 0 and metrics_path.exists():  # drop lines logged after the checkpoint we resume from
-        kept = [l for l in metrics_path.read_text().splitlines() if l and json.loads(l)["step"] <= start]
-        atomic_write_text(metrics_path, "".join(k + "\n" for k in kept))
+        kept = [row for row in metric_rows(metrics_path) if row["step"] <= start]
+        atomic_write_text(metrics_path, "".join(json.dumps(row) + "\n" for row in kept))
     bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", disable=not progress)
     t_last = time.perf_counter()
     acc: list[dict[str, Any]] = []
-    for step in range(start, tc.steps):
-        batch = _batch_to_device(loader.batch(step))
-        if mesh is not None:
-            batch = shard_batch(batch, mesh)
-        params, opt_state, m = step_fn(params, buffers, opt_state, batch, embed, lm_head)
-        acc.append(m)
-        done = step + 1
-        if done % tc.log_every == 0 or done == tc.steps:
-            host = jax.device_get(acc)
-            acc = []
-            now = time.perf_counter()
-            row = {"step": done, "seconds_per_step": (now - t_last) / len(host)}
-            t_last = now
-            for key in host[0]:
-                vals = np.stack([np.asarray(h[key]) for h in host])
-                row[key] = vals.mean(0).tolist()
-            row["tau_prob"] = probabilistic_tau(row["c_star"])
-            if eval_fn is not None and (done % tc.val_every < tc.log_every or done == tc.steps):
-                row.update(validate(eval_fn, params, buffers, val_loader, embed, lm_head, batches=tc.val_batches,
-                                    mesh=mesh))
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau_prob']:.2f}")
-        if done % tc.ckpt_every == 0 or done == tc.steps:
-            mgr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-        bar.update(1)
-    mgr.wait_until_finished()
-    mgr.close()
-    bar.close()
+    saved = done = start
+    try:
+        for step in range(start, tc.steps):
+            batch = _batch_to_device(loader.batch(step))
+            if mesh is not None:
+                batch = shard_batch(batch, mesh)
+            params, opt_state, m = step_fn(params, buffers, opt_state, batch, embed, lm_head)
+            acc.append(m)
+            done = step + 1
+            if done % tc.log_every == 0 or done == tc.steps:
+                host = jax.device_get(acc)
+                acc = []
+                now = time.perf_counter()
+                row = {"step": done, "seconds_per_step": (now - t_last) / len(host)}
+                t_last = now
+                for key in host[0]:
+                    vals = np.stack([np.asarray(h[key]) for h in host])
+                    row[key] = vals.mean(0).tolist()
+                row["tau_prob"] = probabilistic_tau(row["c_star"])
+                if eval_fn is not None and (done % tc.val_every < tc.log_every or done == tc.steps):
+                    row.update(validate(eval_fn, params, buffers, val_loader, embed, lm_head, batches=tc.val_batches,
+                                        mesh=mesh))
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau_prob']:.2f}")
+            if done % tc.ckpt_every == 0 or done == tc.steps:
+                mgr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+                saved = done
+            bar.update(1)
+    except KeyboardInterrupt:  # Ctrl-C: checkpoint the steps since the last save, then stop
+        if done > saved:
+            mgr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
+        raise
+    finally:
+        mgr.wait_until_finished()
+        mgr.close()
+        bar.close()
     return nnx.merge(graphdef, params, buffers)
+
+
+def metric_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a training run's ``metrics.jsonl``; a line cut short by an interruption is dropped."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -301,3 +301,12 @@ def test_a_run_started_before_a_config_field_existed_resumes(tmp_path):
     train_drafter.check_resume(tmp_path, {**record, "buckets": [256, 512, 1024]})
     with pytest.raises(ValueError, match="buckets differ"):
         train_drafter.check_resume(tmp_path, {**record, "buckets": [256, 512, 1024, 1536]})
+    # fields recorded since: unchecked against a run that lacks them, checked against one that has them
+    since = {"steps": 100, "data_parallel": 1, "data": {"sequences": 9, "tokens": 900}, "draft_vocab": "ab12"}
+    train_drafter.check_resume(tmp_path, {**record, **since})
+    (tmp_path / "run.json").write_text(json.dumps({**record, **since}))
+    train_drafter.check_resume(tmp_path, {**record, **since})
+    for key, value in (("steps", 200), ("data_parallel", 2), ("data", {"sequences": 10, "tokens": 950}),
+                       ("draft_vocab", "cd34")):
+        with pytest.raises(ValueError, match=f"{key} differ"):
+            train_drafter.check_resume(tmp_path, {**record, **since, key: value})

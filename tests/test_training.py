@@ -188,6 +188,39 @@ def test_checkpoint_resume_reproduces_uninterrupted_run(tmp_path):
     assert steps == [2, 4, 6]
 
 
+def test_ctrl_c_checkpoints_the_steps_since_the_last_save(tmp_path):
+    """A KeyboardInterrupt between checkpoints saves the step it reached; the resumed run equals an
+    uninterrupted one, and a metrics line cut short by the interruption does not stop the resume."""
+    import orbax.checkpoint as ocp
+
+    w, cache = fake_cache()
+    tc = training.TrainConfig(steps=6, log_every=2, ckpt_every=4, lr=1e-2)
+    full = training.train(tiny_drafter(), loader_for(cache), w.embed, None, tc=tc, loss_cfg=training.LossConfig(),
+                          run_dir=tmp_path / "full", progress=False)
+
+    class CtrlC:
+        def __init__(self, inner, at):
+            self.inner, self.at = inner, at
+
+        def batch(self, step):
+            if step == self.at:
+                raise KeyboardInterrupt
+            return self.inner.batch(step)
+
+    with pytest.raises(KeyboardInterrupt):
+        training.train(tiny_drafter(), CtrlC(loader_for(cache), 3), w.embed, None, tc=tc,
+                       loss_cfg=training.LossConfig(), run_dir=tmp_path / "cut", progress=False)
+    with ocp.CheckpointManager(tmp_path / "cut" / "ckpt") as mgr:
+        assert mgr.latest_step() == 3  # not 0: the three steps since the start were kept
+    with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')  # a line cut short
+    resumed = training.train(tiny_drafter(seed=99), loader_for(cache), w.embed, None, tc=tc,
+                             loss_cfg=training.LossConfig(), run_dir=tmp_path / "cut", progress=False)
+    a, b = nnx.state(full, nnx.Param), nnx.state(resumed, nnx.Param)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
+    assert [r["step"] for r in training.metric_rows(tmp_path / "cut" / "metrics.jsonl")] == [2, 4, 6]
+
+
 def test_save_and_load_drafter(tmp_path):
     vocab = np.array([1, 4, 9, 16, 25, 36, 49])
     d = tiny_drafter(vocab_ids=vocab)

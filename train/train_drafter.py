@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import time
 from pathlib import Path
 
 import jax
+import numpy as np
 from flax import nnx
 
 from dspark_jax import data, heads, training
@@ -88,6 +90,11 @@ def validate_only(args: argparse.Namespace, target, val_cache: data.TargetCache)
 
 
 OLD_BUCKETS = [256, 512, 1024]  # the fixed context buckets of every run recorded before run.json named them
+# What a resumed run must share with its start besides the drafter: the step count (the learning-rate schedule
+# spans it), the data-parallel size (it shapes each step's batch), the training data (sequences and tokens of
+# the cache) and the draft vocabulary chosen from it (the checkpoints hold trained parameters only, so a
+# vocabulary chosen again from another cache would map their rows to other tokens).
+RECORDED_SINCE = ("steps", "data_parallel", "data", "draft_vocab")
 
 
 def recorded_run(run: Path) -> dict | None:
@@ -114,7 +121,8 @@ def check_resume(run: Path, record: dict) -> None:
         old["config"] = DrafterConfig.from_dict(old["config"]).to_dict()
     fixed = {"buckets": OLD_BUCKETS}
     old, record = {**fixed, **old}, {**fixed, **record}
-    diff = sorted(k for k in set(old) | set(record) if old.get(k) != record.get(k))
+    unrecorded = [k for k in RECORDED_SINCE if k not in old]  # runs started before these were recorded
+    diff = sorted(k for k in set(old) | set(record) if old.get(k) != record.get(k) and k not in unrecorded)
     if diff:
         raise ValueError(f"--run {run}: holds checkpoints of another configuration ({', '.join(diff)} differ: "
                          f"{ {k: old.get(k) for k in diff} } there, { {k: record.get(k) for k in diff} } now); "
@@ -248,6 +256,9 @@ def main(argv=None):
                               seed=args.seed, buckets=resumed_buckets(run),
                               sequences_multiple=1 if mesh is None else mesh.shape["data"])
     record["buckets"] = list(loader.buckets)
+    record.update(steps=args.steps, data_parallel=1 if mesh is None else int(mesh.shape["data"]),
+                  data={"sequences": int(loader.num_sequences), "tokens": int(loader.num_tokens)},
+                  draft_vocab=hashlib.sha256(np.asarray(vocab, np.int64).tobytes()).hexdigest()[:16])
     check_resume(run, record)
     run.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run / "run.json", json.dumps(record, indent=1) + "\n")
@@ -267,7 +278,7 @@ def main(argv=None):
                              run_dir=run, trainable=trainable, mesh=mesh, val_loader=val_loader)
     wall = time.perf_counter() - t0
     plot_training(run / "metrics.jsonl", run / "training.png", title=f"{args.kind} ({args.steps} steps)")
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    last = training.metric_rows(run / "metrics.jsonl")[-1]
     info = {"kind": args.kind, "steps": args.steps, "params": n_params, "trained_params": n_train,
             "train": args.train, "init_from": record["init_from"], "new_params": fresh,
             "draft_vocab_coverage": float(covered), "train_tokens": loader.num_tokens,
