@@ -20,7 +20,7 @@ import numpy as np
 
 from dspark_jax.models.llama import (CONTEXT_STEP, KVCache, LlamaModel, context_bucket, copy_slot, first_argmax,
                                      prefill, prefill_chunks)
-from dspark_jax.sampling import categorical
+from dspark_jax.sampling import GREEDY_TEMPERATURE, categorical
 
 
 @jax.jit
@@ -33,7 +33,7 @@ def sample_tokens(logits: jax.Array, seed: jax.Array, request_ids: jax.Array, po
       seed: int scalar run seed.
       request_ids: int [S] request index of each row.
       positions: int [S] position of the token being sampled (its index in the request's full sequence).
-      temperature: float scalar or [S] (one per row) >= 0.
+      temperature: float scalar or [S] (one per row) >= 0; below `sampling.GREEDY_TEMPERATURE` greedy.
     Returns:
       int32 [S] tokens; row r uses the key fold_in(fold_in(key(seed), request_ids[r]), positions[r]).
 
@@ -47,9 +47,10 @@ def sample_tokens(logits: jax.Array, seed: jax.Array, request_ids: jax.Array, po
     keys = jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(base, r), p))(request_ids, positions)
     logits = logits.astype(jnp.float32)
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), request_ids.shape)  # [S]
-    safe_t = jnp.where(temperature > 0, temperature, 1.0)
+    sampled_rows = temperature >= GREEDY_TEMPERATURE  # below it: greedy (sampling.effective_temperature)
+    safe_t = jnp.where(sampled_rows, temperature, 1.0)
     sampled = categorical(keys, logits / safe_t[:, None])
-    return jnp.where(temperature > 0, sampled, first_argmax(logits)).astype(jnp.int32)
+    return jnp.where(sampled_rows, sampled, first_argmax(logits)).astype(jnp.int32)
 
 
 @dataclasses.dataclass

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from collections import deque
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -56,7 +57,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import calibration, gate, scheduler, verify
-from dspark_jax.sampling import categorical, safe_log
+from dspark_jax.sampling import categorical, effective_temperature, safe_log
 from dspark_jax.sps import SPSTable, context_window, default_sps_table, plain_sps_from_cost, sps_from_cost
 from dspark_jax.timing import compile_count
 from dspark_jax.models import drafter as dr
@@ -167,6 +168,7 @@ class EngineConfig:
     # of round against each other by half (docs/design.md). The output stays lossless either way; with it,
     # which rounds draft depends on timings, so
     # sampled tokens (not their law) can differ between runs of the same seed: False for reproducible samples.
+    # Off under jax.distributed (several processes): every process must take the same decisions.
     calibrate_times: bool = True
     # The dspark policies learn where drafting never pays on this hardware: once the gate's estimate has
     # stayed below its bar (drafting not expected to pay by `1 + gate_margin`; probes aside) for this many consecutive
@@ -194,6 +196,10 @@ class EngineConfig:
     window_rule: str = "step"
 
     def __post_init__(self):
+        t = self.temperature
+        if not (isinstance(t, (int, float, np.floating)) and np.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {t!r}")
+        object.__setattr__(self, "temperature", effective_temperature(t))
         try:
             self.gate_config()
         except ValueError as err:  # name the field the caller set
@@ -227,7 +233,8 @@ class SamplingParams:
     """One request's sampling settings (`Engine.submit`); None takes the engine's `EngineConfig` value.
 
     Attributes:
-      temperature: >= 0; 0 is greedy (the target's argmax, token for token plain greedy decoding).
+      temperature: >= 0; 0 is greedy (the target's argmax, token for token plain greedy decoding), and so is
+        any temperature below `sampling.GREEDY_TEMPERATURE` (1e-5, as vLLM).
       top_p: in (0, 1]: sample from the smallest set of most likely tokens whose probability reaches
         ``top_p`` (renormalised); 1 keeps every token.
       seed: in [0, 2**31 - 1]: the request's random stream depends on this seed and the positions alone
@@ -251,6 +258,8 @@ class SamplingParams:
         t = self.temperature
         if t is not None and not (isinstance(t, (int, float, np.floating)) and np.isfinite(t) and t >= 0):
             raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {t!r}")
+        if t is not None:
+            object.__setattr__(self, "temperature", effective_temperature(t))
         if not (isinstance(self.top_p, (int, float, np.floating)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not (isinstance(self.seed, (int, np.integer)) and 0 <= self.seed <= MAX_SEED):
@@ -429,11 +438,19 @@ class Engine:
                  stop_ids: Sequence[int] | None = None, mesh=None):
         self.mesh = mesh
         if mesh is not None:  # a placed copy: the caller's target keeps its own arrays
-            from dspark_jax.sharding import place_target_weights  # noqa: PLC0415
+            from dspark_jax.sharding import mesh_fit, place_target_weights  # noqa: PLC0415
+
+            for problem in mesh_fit(target.cfg, config.num_slots, mesh):
+                warnings.warn(f"mesh: {problem}", stacklevel=2)
 
             target = LlamaModel(target.cfg, place_target_weights(target.weights, target.cfg, mesh), target.tokenizer)
         self.target, self.cfg = target, config
         self.gate_cfg = config.gate_config()
+        if self.gate_cfg.calibrate_times and jax.process_count() > 1:
+            # Each process would fold its own clock into the cost model, and processes whose clocks disagree
+            # would run different round programs (drafting or not) with different collectives: the table's
+            # times decide alike everywhere.
+            self.gate_cfg = dataclasses.replace(self.gate_cfg, calibrate_times=False)
         self.policy = parse_policy(policy) if isinstance(policy, str) else policy
         if self.policy.drafts and drafter is None:
             raise ValueError(f"policy {self.policy} needs a drafter; only 'none' runs without one")
@@ -445,8 +462,6 @@ class Engine:
         # The round programs are static in the policy's kind; its number (K or C) is passed as an array.
         self._policy_kind = Policy(self.policy.kind)
         self._policy_value = jnp.float32(self.policy.value)
-        if config.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {config.temperature}")
         self.greedy = config.temperature == 0  # the default of requests without their own temperature
         S = config.num_slots
         self.G = self.drafter.cfg.block if self.drafter is not None else 1

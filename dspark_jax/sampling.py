@@ -22,6 +22,14 @@ import jax.numpy as jnp
 from dspark_jax.models.llama import first_argmax
 
 BLOCK = 128
+# Temperatures below this decode greedily (as in vLLM): logits divided by a smaller one overflow float32 (a
+# temperature of 1e-40 makes every logit infinite), and the law is already the argmax's within float32.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def effective_temperature(t: float) -> float:
+    """The temperature a request decodes at: ``t``, or 0 (greedy) below `GREEDY_TEMPERATURE`."""
+    return 0.0 if t < GREEDY_TEMPERATURE else float(t)
 
 
 def safe_log(x: jax.Array) -> jax.Array:

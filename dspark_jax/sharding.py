@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from dspark_jax.cli import nonnegative_int, positive_int
 from dspark_jax.models.drafter import DrafterCache
 from dspark_jax.models.llama import KVCache, LayerWeights, LlamaConfig, LlamaWeights
 
@@ -141,17 +142,17 @@ def describe_mesh(mesh: Mesh | None) -> str:
 def add_mesh_arguments(p: argparse.ArgumentParser) -> None:
     """``--tensor-parallel-size``, ``--data-parallel-size`` and the ``jax.distributed`` options
     (``--coordinator-address``, ``--num-processes``, ``--process-id``) of every command that runs the engine."""
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="devices that split each layer's heads, FFN width and vocabulary (default 1)")
-    p.add_argument("--data-parallel-size", type=int, default=1,
+    p.add_argument("--data-parallel-size", type=positive_int, default=1,
                    help="device groups that split the request slots (default 1); the product of the two sizes "
                         "must equal the device count (every process's, under jax.distributed)")
     p.add_argument("--coordinator-address",
                    help="multi-process: HOST:PORT of process 0; every process runs the same command with its "
                         "--process-id (jax.distributed.initialize; omit on a TPU slice or under SLURM, where JAX "
                         "finds them itself when --num-processes is given)")
-    p.add_argument("--num-processes", type=int, help="multi-process: how many processes take part")
-    p.add_argument("--process-id", type=int, help="multi-process: this process's index, 0 .. num-processes - 1")
+    p.add_argument("--num-processes", type=positive_int, help="multi-process: how many processes take part")
+    p.add_argument("--process-id", type=nonnegative_int, help="multi-process: this process's index, 0 .. num-processes - 1")
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -214,6 +215,27 @@ def check_table_mesh(table: Any, mesh: Mesh | None, *, allow_mismatch: bool = Fa
     if not allow_mismatch:
         raise ValueError(msg)
     warnings.warn(msg, stacklevel=2)
+
+
+def mesh_fit(cfg: LlamaConfig, num_slots: int, mesh: Mesh | None) -> list[str]:
+    """What the mesh cannot split for this target and slot count, in words (an empty list: everything it
+    should): an axis whose size does not divide by its mesh axis is replicated (`spec_for`), so the devices
+    of that axis repeat each other's work on it.
+
+    >>> mesh_fit(LlamaConfig.tiny(), 3, make_mesh(1, 1))
+    []
+    """
+    data, tensor = mesh_shape(mesh)[DATA], mesh_shape(mesh)[TENSOR]
+    out = []
+    if num_slots % data:
+        out.append(f"{num_slots} slots do not divide by the {data} data-parallel groups: every group holds and "
+                   f"decodes every slot (use a multiple of {data})")
+    for what, n in (("attention heads", cfg.n_heads), ("KV heads", cfg.n_kv_heads), ("FFN width", cfg.ffn_dim),
+                    ("vocabulary", cfg.vocab_size)):
+        if n % tensor:
+            out.append(f"the {n} {what} do not divide by the tensor-parallel size {tensor}: replicated on every "
+                       f"tensor device")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- layouts

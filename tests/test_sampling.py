@@ -183,6 +183,31 @@ def test_bad_sampling_is_rejected():
             eng.SamplingParams(**kw)
 
 
+def test_temperatures_below_the_greedy_bar_decode_greedily(model, drafter):
+    """A temperature too small to divide logits by in float32 (1e-40 overflows them, 1e-46 rounds to 0) is
+    greedy, per request and as the engine's default, and the plain decoder agrees; NaN is refused."""
+    for t in (1e-46, 1e-40, 1e-6):
+        assert eng.SamplingParams(temperature=t).temperature == 0.0
+        assert eng.EngineConfig(temperature=t).temperature == 0.0
+    assert eng.SamplingParams(temperature=1e-3).temperature == 1e-3
+    for bad in (float("nan"), float("inf"), -1e-9):
+        with pytest.raises(ValueError, match="temperature: expected a finite number"):
+            eng.EngineConfig(temperature=bad)
+    ps = prompts(3, seed=5)
+    ref, _ = plain_generate(model, ps, 8, 0.0, num_slots=3, stop_ids=[], capacity=64)
+    tiny, _ = plain_generate(model, ps, 8, 1e-40, num_slots=3, stop_ids=[], capacity=64)
+    assert [r.output_ids for r in tiny] == [r.output_ids for r in ref]
+    for policy in ("none", "fixed:3"):
+        e = eng.Engine(model, drafter, policy, eng.EngineConfig(num_slots=3, capacity=64, temperature=1e-45),
+                       sps=SPS, stop_ids=[])
+        hot = eng.SamplingParams(temperature=1.0, seed=3)  # shares the rounds
+        ids = [e.submit(p, 8, eng.SamplingParams(temperature=t)) for p, t in zip(ps, (1e-40, None, 1e-7))]
+        e.submit(ps[0], 8, hot)
+        while not e.idle():
+            e.step()
+        assert [e.requests[i].output_ids for i in ids] == [r.output_ids for r in ref], policy
+
+
 @pytest.mark.parametrize("n,block", [(37, 8), (300, 128), (64, 64)])
 def test_blocked_categorical_draws_the_softmax_law(n, block):
     """The two-level Gumbel draw samples softmax(logits) exactly: empirical frequencies over 40 000 keys sit

@@ -166,3 +166,4 @@ def test_two_processes_give_the_one_process_greedy_output(tmp_path):
     ref = single_process_reference()
     for r in results:
         assert r["outputs"]["dspark"] == ref["dspark"]
+        assert r["calibrate_times"] is False  # one process's clock would steer its programs apart

@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> None:
         socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as e:
         p.error(f"--host {args.host}: not an address this machine can bind ({e})")
+    if (args.num_processes or 1) > 1 or args.coordinator_address:
+        p.error("--num-processes / --coordinator-address: the server runs in one process, its engine on that "
+                "process's devices (--tensor-parallel-size, --data-parallel-size); every process of a multi-process "
+                "engine must be fed the same requests, which one HTTP front does not do")
     check_engine_arguments(p, args)
     import uvicorn  # noqa: PLC0415
 
