@@ -88,6 +88,13 @@ Command = tuple[str, Callable[[list[str]], object], list[str], Path | None]  # l
 COMMANDS = ("generate_data", "build_cache", "train_drafter", "calibrate", "evaluate", "summarize_eval")
 
 
+# ``python -m MODULE ARGV`` with Ctrl-C's default handler restored: a process started in the background by a
+# shell without job control (``nohup ... &``, a CI job) ignores SIGINT, and its children would inherit that and
+# never unwind when the pipeline hands them SIGINT.
+_CHILD = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+          "module = sys.argv.pop(1); runpy.run_module(module, run_name='__main__', alter_sys=True)")
+
+
 def command_in_process(module: str, grace_seconds: float = 120.0) -> Callable[[Sequence[str]], None]:
     """A main that runs ``python -m module ARGV`` in a child process and waits for it. Each command compiles
     its own programs; in one long-lived process their machine code accumulates until the compiler cannot map
@@ -101,7 +108,7 @@ def command_in_process(module: str, grace_seconds: float = 120.0) -> Callable[[S
       SystemExit: naming the command when it exits with a non-zero status.
     """
     def main(argv: Sequence[str]) -> None:
-        proc = subprocess.Popen([sys.executable, "-m", module, *argv], process_group=0)
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD, module, *argv], process_group=0)
         try:
             status = proc.wait()
         except BaseException:
