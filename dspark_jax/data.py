@@ -198,6 +198,12 @@ def build_target_cache(model, chunks: dict[str, Sequence[dict]], out_dir: str | 
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if (out_dir / "index.json").is_file():
+        old = json.loads((out_dir / "index.json").read_text())
+        if (list(old.get("tap_layers", [])), old.get("dim")) != (list(model.cfg.tap_layers), model.cfg.dim):
+            raise ValueError(f"{out_dir}: a cache of a target with tap layers {old.get('tap_layers')} and width "
+                             f"{old.get('dim')}, not this one's ({list(model.cfg.tap_layers)}, {model.cfg.dim}); "
+                             f"use another output folder")
     bar = tqdm(total=sum(len(c) for c in chunks.values()), desc="target cache", unit="seq", disable=not progress)
     entries = []
     for name, shard in chunks.items():
@@ -207,6 +213,12 @@ def build_target_cache(model, chunks: dict[str, Sequence[dict]], out_dir: str | 
                 for s in shard]
         entries.append({"shard": stem.name, "sequences": meta})
         if Path(f"{stem}.lse.npy").exists():  # written last: the shard is complete
+            held = np.load(f"{stem}.tokens.npy", mmap_mode="r")
+            want = [t for r in shard for t in (*r["prompt_ids"], *r["output_ids"])]
+            if len(held) != len(want) or not np.array_equal(held, np.asarray(want, held.dtype)):
+                raise ValueError(f"{stem}.tokens.npy: the shard holds other sequences than the data's chunk {name!r} "
+                                 f"(a cache built from other data?); use another output folder, or delete the "
+                                 f"shard's files to rebuild it")
             bar.update(len(shard))
             continue
         toks, taps, finals, lses = [], [], [], []

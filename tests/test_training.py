@@ -337,6 +337,13 @@ def test_target_cache_build_is_incremental_and_consistent(tmp_path):
     b = data.BlockLoader(whole, block=G, buckets=(16,), context_tokens=32, blocks=8, seed=1).batch(0)
     for f in dataclasses.fields(a):
         np.testing.assert_array_equal(getattr(a, f.name), getattr(b, f.name))
+    # the same folder built from other data, or for a target tapping other layers, is refused by name
+    other = {"chunk_00000": [rec(0), rec(1)], "chunk_00001": chunks["chunk_00001"]}
+    with pytest.raises(ValueError, match="chunk_00000.tokens.npy: the shard holds other sequences"):
+        data.build_target_cache(model, other, tmp_path, progress=False)
+    tapped = LlamaModel(dataclasses.replace(TARGET, tap_layers=(0,)), w, None)
+    with pytest.raises(ValueError, match="a cache of a target with tap layers"):
+        data.build_target_cache(tapped, chunks, tmp_path, progress=False)
 
 
 def test_target_cache_shares_a_prompt_pass_without_changing_rows(tmp_path, monkeypatch):
