@@ -77,7 +77,10 @@ def load_target(model: str | Path | None = None, *, dtype: Any = None, mesh: Any
     if mesh is not None:
         from dspark_jax.sharding import place_target_weights  # noqa: PLC0415
 
-        loaded = load_target(model, dtype=dtype)
+        # Read and cast in host memory (JAX's CPU device), then put each device's shards on it: a model larger
+        # than one accelerator's memory never lands whole on its first device.
+        with jax.default_device(_host_device()):
+            loaded = load_target(model, dtype=dtype)
         return LlamaModel(loaded.cfg, place_target_weights(loaded.weights, loaded.cfg, mesh), loaded.tokenizer)
     dtype = parse_dtype(dtype) if dtype is None or isinstance(dtype, str) else dtype
     if model is None:
@@ -94,6 +97,15 @@ def load_target(model: str | Path | None = None, *, dtype: Any = None, mesh: Any
         raise ValueError(f"--model {path}: no such file or folder (expected a GGUF file or a Hugging Face "
                          f"checkpoint folder)")
     return LlamaModel.from_gguf(path, dtype=dtype)
+
+
+def _host_device() -> Any:
+    """JAX's CPU device (host memory), or the default device where the CPU backend is not loaded
+    (``JAX_PLATFORMS`` without ``cpu``)."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return jax.devices()[0]
 
 
 @dataclasses.dataclass

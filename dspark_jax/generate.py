@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=256)
     add_engine_arguments(p)
     p.add_argument("--concurrency", "--num-slots", dest="concurrency", type=positive_int,
-                   help="requests decoded together (default: min(prompts, 16))")
+                   help="requests decoded together (default: min(prompts, 16), rounded up to a multiple of "
+                        "--data-parallel-size)")
     p.add_argument("--json", dest="json_out", type=writable_file, help="write results and speed to this JSON file")
     p.add_argument("--quiet", action="store_true", help="do not stream or print generated text")
     p.add_argument("--trace", type=writable_file,
@@ -99,9 +100,11 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"--prompts: {e}")
     if not prompts:
         p.error("give --prompt TEXT or --prompts FILE.jsonl")
-    args.concurrency = args.concurrency or min(len(prompts), 16)
     check_engine_arguments(p, args)
     mesh = mesh_from_args(args)  # before anything touches JAX (a multi-process run joins here)
+    if not args.concurrency:  # the default: a slot a prompt up to 16, a whole number of slots per data group
+        groups = args.data_parallel_size or 1
+        args.concurrency = -(-min(len(prompts), 16) // groups) * groups
     if mesh is None:
         model = load_target(args.model, dtype=args.dtype)
     else:

@@ -268,9 +268,10 @@ def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None,
     if mesh is not None:
         params, buffers, opt_state, embed, lm_head = replicate((params, buffers, opt_state, embed, lm_head), mesh)
     metrics_path = run_dir / "metrics.jsonl"
-    if start == 0 and metrics_path.exists():
+    writer = jax.process_index() == 0  # one process of a multi-process run writes the metrics (Orbax: its own rule)
+    if writer and start == 0 and metrics_path.exists():
         metrics_path.unlink()
-    elif start > 0 and metrics_path.exists():  # drop lines logged after the checkpoint we resume from
+    elif writer and start > 0 and metrics_path.exists():  # drop lines logged after the checkpoint we resume from
         kept = [row for row in metric_rows(metrics_path) if row["step"] <= start]
         atomic_write_text(metrics_path, "".join(json.dumps(row) + "\n" for row in kept))
     bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", disable=not progress)
@@ -298,8 +299,9 @@ def train(drafter: Drafter, loader, embed: jax.Array, lm_head: jax.Array | None,
                 if eval_fn is not None and (done % tc.val_every < tc.log_every or done == tc.steps):
                     row.update(validate(eval_fn, params, buffers, val_loader, embed, lm_head, batches=tc.val_batches,
                                         mesh=mesh))
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                if writer:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(row) + "\n")
                 bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau_prob']:.2f}")
             if done % tc.ckpt_every == 0 or done == tc.steps:
                 mgr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))

@@ -51,6 +51,15 @@ def test_rules_split_what_divides_and_replicate_the_rest():
         spec_for((2, 3), Axes("slots"), mesh)
 
 
+def test_mesh_fit_names_what_a_mesh_cannot_split():
+    assert sharding.mesh_fit(SMOLLM2_135M, 16, FakeMesh(2, 3)) == []  # 9 and 3 heads, FFN, vocabulary split by 3
+    problems = sharding.mesh_fit(SMOLLM2_135M, 5, FakeMesh(2, 4))
+    assert len(problems) == 3, problems
+    assert problems[0].startswith("5 slots do not divide by the 2 data-parallel groups")
+    assert "the 9 attention heads" in problems[1] and "the 3 KV heads" in problems[2]
+    assert sharding.mesh_fit(SMOLLM2_135M, 5, None) == []
+
+
 def test_every_target_weight_has_declared_axes():
     cfg = LlamaConfig.tiny()
     w = init_random_weights(cfg, jax.random.key(0))

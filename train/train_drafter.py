@@ -261,7 +261,9 @@ def main(argv=None):
                   draft_vocab=hashlib.sha256(np.asarray(vocab, np.int64).tobytes()).hexdigest()[:16])
     check_resume(run, record)
     run.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run / "run.json", json.dumps(record, indent=1) + "\n")
+    writer = jax.process_index() == 0  # one process of a multi-process run writes the run's files
+    if writer:
+        atomic_write_text(run / "run.json", json.dumps(record, indent=1) + "\n")
 
     trainable = heads.trainable_filter(args.train, cfg)
     n_params, n_train = heads.count_params(drafter), heads.count_params(drafter, trainable)
@@ -277,6 +279,8 @@ def main(argv=None):
                              loss_cfg=dataclasses.replace(heads.loss_for(args.train, args.kind), kl=args.kl),
                              run_dir=run, trainable=trainable, mesh=mesh, val_loader=val_loader)
     wall = time.perf_counter() - t0
+    if not writer:
+        return
     plot_training(run / "metrics.jsonl", run / "training.png", title=f"{args.kind} ({args.steps} steps)")
     last = training.metric_rows(run / "metrics.jsonl")[-1]
     info = {"kind": args.kind, "steps": args.steps, "params": n_params, "trained_params": n_train,
