@@ -28,7 +28,9 @@ def main(argv=None):
     add_model_arguments(p)  # --model, --dtype, --draft
     p.add_argument("--prompts", nargs="+", required=True, help="JSONL files or folders")
     p.add_argument("--limit", type=positive_int, help="prompts per file (after --half)")
-    p.add_argument("--half", default="all", choices=["all", "calib", "eval"])
+    p.add_argument("--half", default="eval", choices=["all", "calib", "eval"],
+                   help="which half of each file (alternate prompts): eval (default), the half `train.calibrate` "
+                        "never fits on; calib; all")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--max-prompt-tokens", type=positive_int, default=640)
     p.add_argument("--temperature", type=temperature, default=1.0)
@@ -60,8 +62,11 @@ def main(argv=None):
     # cuts a report to the prompts `--limit N` would have chosen
     report = evaluate_rounds(rounds, drafter.cfg.block, *used, labels=[[f, i] for f, i, _ in kept])
     report.update(draft=str(path), model=args.model, prompts=len(prompts), temperature=args.temperature,
-                  max_new_tokens=args.max_new_tokens, block=drafter.cfg.block)
-    print(f"{path.name}: tau {report['accept_len']:.3f} over {report['rounds']} rounds, "
+                  max_new_tokens=args.max_new_tokens, block=drafter.cfg.block, half=args.half,
+                  prompts_over_limit=sum(map(len, chosen_per_file)) - len(prompts))  # dropped: > --max-prompt-tokens
+    print(f"{path.name}: {len(prompts)} prompts of the {args.half} half ({report['prompts_over_limit']} over "
+          f"--max-prompt-tokens {args.max_prompt_tokens} left out), tau {report['accept_len']:.3f} over "
+          f"{report['rounds']} rounds, "
           f"ECE raw {report['ece_raw']:.4f}" + (f", ECE STS {report['ece_sts']:.4f}" if report["ece_sts"] is not None else "")
           + f", AUROC {report['auroc']:.3f}")
     print("survival per position: " + " ".join(f"{r['survival']:.3f}" for r in report["per_position"]))

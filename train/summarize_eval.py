@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -148,6 +149,10 @@ def main(argv=None):
             if missing:
                 raise SystemExit(f"{path}: lacks {', '.join(missing)}; expected a train.evaluate --json report")
             reports[d, dom] = report
+    halves = sorted({str(r.get("half", "unrecorded")) for r in reports.values()})
+    if halves != ["eval"]:  # STS is fitted on the calib half: only the eval half is held out from it
+        print(f"note: the reports cover the {', '.join(halves)} half of their prompt files; only the eval half is "
+              f"held out from the calibration (train.evaluate --half eval)", file=sys.stderr)
     kept = all("per_request" in r for r in reports.values())
     if args.first is not None:
         if not kept:
