@@ -540,6 +540,12 @@ class Engine:
         self._gate_closed = False  # the last round found that the drafter would not pay next round
         # Learned cut-off (drafter_off_after, dspark policies with a cost model only): `gate.CutOff`.
         self._may_drop_context = self.cost is not None and config.drafter_off_after is not None
+        # Rows per round: the active requests' count rounded up to a power of two, whose slots' caches the round
+        # gathers. With slots split over data-parallel groups, a gather of some slots is a masked read plus an
+        # all-reduce of every layer's cache rows across the groups each round; every slot read in place costs
+        # only its own group's attention over idle slots, so such a mesh always runs all S rows.
+        data = 1 if mesh is None else int(mesh.shape.get("data", 1))
+        self._min_rows = S if data > 1 and S % data == 0 else 1
         self.cutoff = gate.CutOff()
         self._no_conf: dict[int, tuple[jax.Array, jax.Array]] = {}
         self.reset_time_scale()
@@ -763,7 +769,7 @@ class Engine:
         draft_windows = sorted({_window(n, cap, rule) for n in longest})
         scale = jnp.ones((2,), jnp.float32)
         for greedy in modes:
-            R = 1
+            R = self._min_rows
             while True:
                 if drafting:
                     for w in draft_windows:
@@ -776,7 +782,7 @@ class Engine:
                     d = None
                 self._round_conf(None, R)  # the arrays a round that skips the draft program passes
                 conf, drafted_arr = self._round_conf(d, R)
-                lo = R // 2 + 1
+                lo = 1 if R == self._min_rows else R // 2 + 1  # the fewest active requests a round of R rows has
                 hi = R * (G + 1) if drafting else R
                 plain = {(bucket_for(b), 1) for b in range(lo, R + 1)}  # rounds without drafts: B = n
                 # width m holds a row of more tokens than the next narrower width (prev): n + prev <= B <= R * m
@@ -822,7 +828,7 @@ class Engine:
             return None
         t_round = time.perf_counter()
         S, G = self.cfg.num_slots, self.G
-        R = _pow2(n, S)
+        R = max(_pow2(n, S), self._min_rows)
         longest = int(self.slot_length[active_slots].max())
         window = _window(longest + G + 1, self.cfg.capacity, self.cfg.window_rule)
         greedy = bool(self.slot_greedy[active_slots].all())  # else each row accepts by its own rule
@@ -1122,6 +1128,13 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
         opens, sps, _ = gate.decide(state.gate, gate_cfg, cost, rows, row_valid, ctx_len, time_scale)
 
     def run_drafter():
+        if R == state.active.shape[0]:  # every slot: its cache read in place, the small outputs put in row order
+            # (a gather of the caches by row would be an all-reduce of them across data-parallel groups)
+            lens = state.cache.lengths
+            keys = _key(state.seed, 1, state.request, lens)  # each request's keys, as in row order
+            t = jnp.float32(0.0) if greedy else state.temperature
+            out = dr.draft(drafter, state.dcache, None, lens, state.anchor, keys, t, embed, head_w, context=context)
+            return tuple(x[rows] for x in out)
         keys = _key(state.seed[rows], 1, state.request[rows], ctx_len)
         t = jnp.float32(0.0) if greedy else state.temperature[rows]  # [] or [R]
         return dr.draft(drafter, state.dcache, rows, ctx_len, state.anchor[rows], keys, t, embed, head_w,

@@ -273,6 +273,26 @@ def worker(process_id: int, num_processes: int, port: int, out: str) -> dict:
     return result
 
 
+def check_collectives() -> dict:
+    """One request on four slots (fewer rows than slots) on a 2x1 mesh, greedy and sampled, `fixed:3`: the
+    programs the run compiled are dumped (XLA_FLAGS --xla_dump_to, set by the caller), which the caller reads
+    for collectives that move a cache's context axis (capacity 128, an extent no other axis here has)."""
+    import numpy as np
+
+    from dspark_jax.engine import Engine, EngineConfig, SamplingParams
+    from dspark_jax.sharding import make_mesh
+
+    model, d = tiny_target_and_drafter()
+    sps = np.linspace(10.0, 1.0, 48).astype(np.float32)
+    e = Engine(model, d, "fixed:3", EngineConfig(num_slots=4, capacity=128, calibrate_times=False), sps=sps,
+               stop_ids=[], mesh=make_mesh(2, 1))
+    p = prompts(1, seed=5)[0]
+    ids = [e.submit(p, 6), e.submit(p, 6, SamplingParams(temperature=1.0, seed=1))]
+    while not e.idle():
+        e.step()
+    return {"outputs": [e.requests[i].output_ids for i in ids], "max_active": max(r.active for r in e.rounds)}
+
+
 def single_process_reference() -> dict:
     """What `worker` computes, on one device."""
     model, d = tiny_target_and_drafter()
@@ -292,6 +312,8 @@ def main(argv: list[str]) -> None:
         result = check_train()
     elif what == "worker":
         result = worker(int(argv[1]), int(argv[2]), int(argv[3]), argv[4])
+    elif what == "collectives":
+        result = check_collectives()
     elif what == "reference":
         result = single_process_reference()
     else:

@@ -104,8 +104,8 @@ def test_packaged_tables_count_as_one_device():
 
 
 def _run(args, devices, timeout, env_extra=None):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
-               JAX_PLATFORMS="cpu", **(env_extra or {}))
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
+           "JAX_PLATFORMS": "cpu", **(env_extra or {})}
     proc = subprocess.run([sys.executable, "-m", "tests.mesh_checks", *args], cwd=ROOT, env=env, timeout=timeout,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -128,6 +128,29 @@ def test_engine_on_eight_devices_equals_one_device():
     assert layout["weights.layers.0.w_gate"] == "(None, 'tensor')"
     assert layout["weights.embed"] == "('tensor',)"
     assert result["law"]["chi2"] < result["law"]["critical"]
+
+
+def test_data_parallel_rounds_move_no_cache_between_devices(tmp_path):
+    """With slots split over data-parallel groups, a round over fewer requests than slots reads every slot's
+    cache in place: no collective of the round programs carries a cache's context axis (a gather of the active
+    slots' caches would be an all-reduce of every layer's rows each round)."""
+    import re
+
+    dump = tmp_path / "hlo"
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_COMPILE} --xla_dump_to={dump} "
+                        f"--xla_dump_hlo_as_text"}
+    result = _run(["collectives"], 2, timeout=600, env_extra=env)
+    assert result["max_active"] == 2 and all(len(o) == 6 for o in result["outputs"])
+    programs = [f for f in dump.glob("*after_optimizations.txt")
+                if "verify_and_commit" in f.name or "draft_and_schedule" in f.name]
+    assert {("verify" if "verify" in f.name else "draft") for f in programs} == {"verify", "draft"}
+    moved = []
+    for f in programs:
+        for line in f.read_text().splitlines():
+            op = re.search(r"= (.*?) (all-reduce|all-gather|all-to-all|collective-permute)\(", line)
+            if op and re.search(r"[\[,]128[\],]", op.group(1)):
+                moved.append(f"{f.name}: {line.strip()[:160]}")
+    assert not moved, "\n".join(moved)
 
 
 def test_profile_on_a_mesh_records_it_and_other_meshes_refuse_it(tmp_path):

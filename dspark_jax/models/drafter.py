@@ -478,7 +478,8 @@ def draft(drafter: Drafter, cache: DrafterCache, slots, ctx_len, anchors, keys, 
     """Draft one block for each of R requests (one backbone pass, then the sequential scan).
 
     Args:
-      cache: the drafter cache; slots: int [R] the requests' slots (any value for padding rows).
+      cache: the drafter cache; slots: int [R] the requests' slots (any value for padding rows), or None: every
+        slot in slot order (R = S), read in place.
       ctx_len: int [R] committed tokens of each slot (= the anchor's position).
       anchors: int [R] anchor tokens; keys: [R] PRNG keys; temperature: float [] or [R] (per row).
       embed: [V, D] frozen target embedding; head_w: [D, W] frozen LM head over the draft vocabulary.
@@ -487,7 +488,10 @@ def draft(drafter: Drafter, cache: DrafterCache, slots, ctx_len, anchors, keys, 
       tokens int32 [R, G], probs float32 [R, G, W], confidence logits float32 [R, G].
     """
     C = cache.k.shape[2] if context is None else min(int(context), cache.k.shape[2])
-    ctx_k, ctx_v = cache.k[:, slots, :C], cache.v[:, slots, :C]  # [L, R, C, K, E]
+    if slots is None:
+        ctx_k, ctx_v = cache.k[:, :, :C], cache.v[:, :, :C]  # [L, S, C, K, E]
+    else:
+        ctx_k, ctx_v = cache.k[:, slots, :C], cache.v[:, slots, :C]  # [L, R, C, K, E]
     ctx_mask = (jnp.arange(C)[None, :] < ctx_len[:, None])[:, None, :]  # [R, 1, C]
     h = drafter.hidden(ctx_k, ctx_v, ctx_mask, anchors[:, None], ctx_len[:, None], embed)[:, 0]  # [R, G, D]
     return sample_block(drafter, h, anchors, keys, temperature, head_w)
