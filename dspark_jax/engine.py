@@ -737,7 +737,7 @@ class Engine:
             chunk = np.zeros(size, np.int32)
             chunk[:take] = ids[done : done + take]
             logits, extras, cache = prefill(self.target.weights, cache, chunk, jnp.int32(slot), jnp.int32(done),
-                                            jnp.int32(take), self.target.cfg)
+                                            jnp.int32(take), self.target.cfg, self._min_rows > 1)
             if write_context:
                 dcache = _write_chunk_context(self.d_graph, self.d_state, dcache, extras.taps, jnp.int32(slot),
                                               jnp.int32(done), jnp.int32(take))

@@ -419,7 +419,8 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
     """Shared body of the entry points: writes K/V of valid tokens, attends, returns hidden states.
 
     `reads` (static) says how a token finds its slot's cache, so that no more of the cache is read than needed:
-      "one_slot": every token belongs to slots[0]: the slot is read once (prefill);
+      "one_slot": every token belongs to slots[0]: the slot is read once (prefill); "one_slot_masked" the
+        same, read by a masked sum over the slot axis (a cache whose slots are split over devices);
       "grid": at most `max_per_slot` (M) tokens per slot: the queries are placed on an [S, M] grid and attend
         to the layer's cache as it is, with no copy of it (decode with M = 1, packed verification);
       "per_token": any number of tokens per slot: each token gathers its slot's [K, E, C] cache, a copy that
@@ -475,6 +476,11 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
             keys = k_cache[read_slots[0], ..., :C][None]  # [1, K, E, C]
             values = v_cache[read_slots[0], :, :C][None]  # [1, K, C, E]
             rows = q.transpose(1, 0, 2, 3)[None]  # [1, K, T, Q, E]
+        elif reads == "one_slot_masked":  # the slot picked by a masked sum over the slot axis (see prefill)
+            pick = (jnp.arange(S) == read_slots[0])[:, None, None, None]
+            keys = jnp.where(pick, k_cache[..., :C], 0).sum(0)[None]  # [1, K, E, C]
+            values = jnp.where(pick, v_cache[:, :, :C], 0).sum(0)[None]  # [1, K, C, E]
+            rows = q.transpose(1, 0, 2, 3)[None]  # [1, K, T, Q, E]
         else:  # grid
             if row_slots is None:  # every slot, read in place
                 keys, values = k_cache[..., :C], v_cache[:, :, :C]  # [S, K, E, C], [S, K, C, E]
@@ -487,7 +493,7 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
         probs = masked_softmax(scores.reshape(B, K, R, Q, C), visible)  # [B, K, R, Q, C]
         out = jnp.einsum("bkrc,bkce->bkre", probs.reshape(B, K, R * Q, C), values.astype(jnp.float32))
         out = out.reshape(B, K, R, Q, E)
-        if reads == "one_slot":
+        if reads in ("one_slot", "one_slot_masked"):
             return out[0].transpose(1, 0, 2, 3)
         out = out.transpose(0, 2, 1, 3, 4).reshape(G * M, K, Q, E)[jnp.minimum(cell, G * M - 1)]  # [T, K, Q, E]
         return jnp.where(placed[:, None, None, None], out, 0.0)
@@ -580,10 +586,15 @@ def forward_packed(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slo
     return logits_from_hidden(weights, extras.final_hidden), extras, cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "sharded_slots"), donate_argnames=("cache",))
 def prefill(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slot: jax.Array, start: jax.Array,
-            n_valid: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, ForwardExtras, KVCache]:
+            n_valid: jax.Array, cfg: LlamaConfig, sharded_slots: bool = False
+            ) -> tuple[jax.Array, ForwardExtras, KVCache]:
     """Prefill one chunk of a prompt into a slot and commit it.
+
+    ``sharded_slots`` (static): the cache's slot axis is split over devices (data parallelism). The slot's
+    cache is then read by a masked sum over the slot axis, whose partial sums meet in an all-reduce of one
+    slot's rows; read by index, XLA gathers every slot's cache of every layer onto every device first.
 
     Args:
         tokens: int [P] chunk (P static, one of PREFILL_CHUNKS; the tail beyond n_valid is padding).
@@ -597,7 +608,8 @@ def prefill(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slot: jax.
     P = tokens.shape[0]
     idx = jnp.arange(P, dtype=jnp.int32)
     slots = jnp.full((P,), slot, jnp.int32)
-    extras, cache = _forward(weights, cache, tokens, slots, start + idx, idx < n_valid, cfg, reads="one_slot")
+    extras, cache = _forward(weights, cache, tokens, slots, start + idx, idx < n_valid, cfg,
+                             reads="one_slot_masked" if sharded_slots else "one_slot")
     last = lax.dynamic_index_in_dim(extras.final_hidden, n_valid - 1, keepdims=False)  # [D]
     cache = cache.replace(lengths=cache.lengths.at[slot].set(start + n_valid))
     return logits_from_hidden(weights, last), extras, cache
