@@ -157,6 +157,18 @@ def test_validation_metrics_are_held_out_and_logged(tmp_path):
     assert 1.0 <= again["val_tau_prob"] <= 1.0 + G
 
 
+class InterruptedLoader:
+    """A loader whose batch at step ``at`` raises ``error`` instead: a run interrupted there."""
+
+    def __init__(self, inner, at, error):
+        self.inner, self.at, self.error = inner, at, error
+
+    def batch(self, step):
+        if step == self.at:
+            raise self.error
+        return self.inner.batch(step)
+
+
 def test_checkpoint_resume_reproduces_uninterrupted_run(tmp_path):
     w, cache = fake_cache()
     tc = training.TrainConfig(steps=6, log_every=2, ckpt_every=2, lr=1e-2)
@@ -168,17 +180,8 @@ def test_checkpoint_resume_reproduces_uninterrupted_run(tmp_path):
     class Stop(Exception):
         pass
 
-    class StoppingLoader:
-        def __init__(self, inner, at):
-            self.inner, self.at = inner, at
-
-        def batch(self, step):
-            if step == self.at:
-                raise Stop
-            return self.inner.batch(step)
-
     with pytest.raises(Stop):
-        training.train(tiny_drafter(), StoppingLoader(loader_for(cache), 4), w.embed, None, tc=tc4,
+        training.train(tiny_drafter(), InterruptedLoader(loader_for(cache), 4, Stop), w.embed, None, tc=tc4,
                        loss_cfg=training.LossConfig(), run_dir=tmp_path / "cut", progress=False)
     resumed = training.train(tiny_drafter(seed=99), loader_for(cache), w.embed, None, tc=tc4,
                              loss_cfg=training.LossConfig(), run_dir=tmp_path / "cut", progress=False)
@@ -198,18 +201,9 @@ def test_ctrl_c_checkpoints_the_steps_since_the_last_save(tmp_path):
     full = training.train(tiny_drafter(), loader_for(cache), w.embed, None, tc=tc, loss_cfg=training.LossConfig(),
                           run_dir=tmp_path / "full", progress=False)
 
-    class CtrlC:
-        def __init__(self, inner, at):
-            self.inner, self.at = inner, at
-
-        def batch(self, step):
-            if step == self.at:
-                raise KeyboardInterrupt
-            return self.inner.batch(step)
-
     with pytest.raises(KeyboardInterrupt):
-        training.train(tiny_drafter(), CtrlC(loader_for(cache), 3), w.embed, None, tc=tc,
-                       loss_cfg=training.LossConfig(), run_dir=tmp_path / "cut", progress=False)
+        training.train(tiny_drafter(), InterruptedLoader(loader_for(cache), 3, KeyboardInterrupt), w.embed, None,
+                       tc=tc, loss_cfg=training.LossConfig(), run_dir=tmp_path / "cut", progress=False)
     with ocp.CheckpointManager(tmp_path / "cut" / "ckpt") as mgr:
         assert mgr.latest_step() == 3  # not 0: the three steps since the start were kept
     with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:
