@@ -37,7 +37,10 @@ are all greedy runs the greedy programs; otherwise each row accepts by its own r
 Randomness: every draw uses a key folded from (the request's seed, its key id, position): the key id is the
 request id (the engine's seed for requests without one) or, for a request with its own seed, a fixed value,
 so the same seeded request draws the same random numbers whatever else is in the batch and whenever it
-runs (its tokens repeat exactly where the draft lengths do: policies ``none`` and ``fixed:K``).
+runs (its tokens repeat where the draft lengths do, policies ``none`` and ``fixed:K``, up to float rounding:
+the logits' last bits depend on the round's padded shapes, so a draw at a near-tie can differ between batch
+compositions; the law never does). Two requests with the same seed share their random numbers: each follows
+the target's law, but their samples are not independent of each other.
 
 Axis legend: S slots, R rows of a round, G block, T packed tokens, V vocabulary, W draft vocabulary.
 """
