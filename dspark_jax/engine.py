@@ -135,6 +135,13 @@ def parse_policy(text: str) -> Policy:
                      f"(K an integer >= 0, C a number in [0, 1])")
 
 
+def _checked_temperature(t) -> float:
+    """A sampling temperature as decoded (`sampling.effective_temperature`); ValueError unless finite and >= 0."""
+    if not (isinstance(t, (int, float, np.floating)) and np.isfinite(t) and t >= 0):
+        raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {t!r}")
+    return effective_temperature(t)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Static settings of an `Engine`: slots, cache capacity per slot, sampling, and the drafter gate
@@ -199,10 +206,7 @@ class EngineConfig:
     window_rule: str = "step"
 
     def __post_init__(self):
-        t = self.temperature
-        if not (isinstance(t, (int, float, np.floating)) and np.isfinite(t) and t >= 0):
-            raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {t!r}")
-        object.__setattr__(self, "temperature", effective_temperature(t))
+        object.__setattr__(self, "temperature", _checked_temperature(self.temperature))
         try:
             self.gate_config()
         except ValueError as err:  # name the field the caller set
@@ -258,11 +262,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        t = self.temperature
-        if t is not None and not (isinstance(t, (int, float, np.floating)) and np.isfinite(t) and t >= 0):
-            raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {t!r}")
-        if t is not None:
-            object.__setattr__(self, "temperature", effective_temperature(t))
+        if self.temperature is not None:
+            object.__setattr__(self, "temperature", _checked_temperature(self.temperature))
         if not (isinstance(self.top_p, (int, float, np.floating)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not (isinstance(self.seed, (int, np.integer)) and 0 <= self.seed <= MAX_SEED):
@@ -547,7 +548,9 @@ class Engine:
         # gathers. With slots split over data-parallel groups, a gather of some slots is a masked read plus an
         # all-reduce of every layer's cache rows across the groups each round; every slot read in place costs
         # only its own group's attention over idle slots, so such a mesh always runs all S rows.
-        data = 1 if mesh is None else int(mesh.shape.get("data", 1))
+        from dspark_jax.sharding import DATA, mesh_shape  # noqa: PLC0415
+
+        data = mesh_shape(mesh)[DATA]
         self._min_rows = S if data > 1 and S % data == 0 else 1
         self.cutoff = gate.CutOff()
         self._no_conf: dict[int, tuple[jax.Array, jax.Array]] = {}

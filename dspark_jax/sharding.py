@@ -152,7 +152,8 @@ def add_mesh_arguments(p: argparse.ArgumentParser) -> None:
                         "--process-id (jax.distributed.initialize; omit on a TPU slice or under SLURM, where JAX "
                         "finds them itself when --num-processes is given)")
     p.add_argument("--num-processes", type=positive_int, help="multi-process: how many processes take part")
-    p.add_argument("--process-id", type=nonnegative_int, help="multi-process: this process's index, 0 .. num-processes - 1")
+    p.add_argument("--process-id", type=nonnegative_int,
+                   help="multi-process: this process's index, 0 .. num-processes - 1")
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -225,7 +226,8 @@ def mesh_fit(cfg: LlamaConfig, num_slots: int, mesh: Mesh | None) -> list[str]:
     >>> mesh_fit(LlamaConfig.tiny(), 3, make_mesh(1, 1))
     []
     """
-    data, tensor = mesh_shape(mesh)[DATA], mesh_shape(mesh)[TENSOR]
+    shape = mesh_shape(mesh)
+    data, tensor = shape[DATA], shape[TENSOR]
     out = []
     if num_slots % data:
         out.append(f"{num_slots} slots do not divide by the {data} data-parallel groups: every group holds and "

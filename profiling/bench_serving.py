@@ -152,8 +152,9 @@ def paired_ratios(row: dict) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="concurrency 1 and 16, T = 0, three policies, short windows (< 1 min); options given explicitly "
-                        "keep their values")
+    p.add_argument("--quick", action="store_true",
+                   help="concurrency 1 and 16, T = 0, three policies, short windows (< 1 min); options given "
+                        "explicitly keep their values")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--plots", metavar="DIR", help="write the PNG figures into this folder")
     p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])

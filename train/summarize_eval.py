@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_jax.cli import writable_file
+from dspark_jax.cli import positive_int, writable_file
 from dspark_jax.io import atomic_write_text
 
 
@@ -129,11 +129,9 @@ def main(argv=None):
     p.add_argument("--drafts", nargs="+", default=["dflash", "dspark"])
     p.add_argument("--domains", nargs="+", default=["gsm8k", "mbpp", "livecodebench", "arena-hard", "mt-bench"])
     p.add_argument("--json", metavar="OUT", type=writable_file, help="write the pooled numbers as JSON")
-    p.add_argument("--first", type=int, metavar="N",
+    p.add_argument("--first", type=positive_int, metavar="N",
                    help="only the first N prompts of each report's file (what train.evaluate --limit N chose)")
     args = p.parse_args(argv)
-    if args.first is not None and args.first < 1:
-        p.error(f"--first: expected >= 1, got {args.first}")
     reports = {}
     for d in args.drafts:
         for dom in args.domains:
