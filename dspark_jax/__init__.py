@@ -2,8 +2,9 @@
 
 The public API. Pure functions that live inside a user's own jitted decoding loop:
 
-* `survival_probs`, `schedule` (Algorithm 1), `capacity` and `top_k_lengths` (the production variant),
-  `sps_lookup`: which drafts each request verifies, given per-token confidences and a steps/s table;
+* `survival_probs`, `schedule` (Algorithm 1; `schedule_checked` validates its input on the host first),
+  `capacity` and `top_k_lengths` (the production variant), `sps_lookup`: which drafts each request verifies,
+  given per-token confidences and a steps/s table;
 * `speculative_accept` (sampled) and `greedy_accept` (temperature 0; `greedy_accept_tokens` from the target's
   argmax tokens): lossless verification with a verification length per request;
 * `fit_sts`, `apply_sts`: Sequential Temperature Scaling of the confidence head (`fit_sts_bias`: with a logit
@@ -21,14 +22,15 @@ Tables and engines:
 from dspark_jax.build import build_engine, load_drafter_for, load_target
 from dspark_jax.calibration import STSSets, apply_sts, fit_sts, fit_sts_bias, sts_for_rows
 from dspark_jax.engine import Engine, EngineConfig, SamplingParams
-from dspark_jax.scheduler import Schedule, capacity, schedule, sps_lookup, survival_probs, top_k_lengths
+from dspark_jax.scheduler import (Schedule, capacity, schedule, schedule_checked, sps_lookup, survival_probs,
+                                  top_k_lengths)
 from dspark_jax.sps import SPSTable, load_sps_table
 from dspark_jax.verify import greedy_accept, greedy_accept_tokens, speculative_accept
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "survival_probs", "schedule", "Schedule", "capacity", "top_k_lengths", "sps_lookup",
+    "survival_probs", "schedule", "schedule_checked", "Schedule", "capacity", "top_k_lengths", "sps_lookup",
     "speculative_accept", "greedy_accept", "greedy_accept_tokens",
     "fit_sts", "fit_sts_bias", "apply_sts", "STSSets", "sts_for_rows",
     "SPSTable", "load_sps_table",

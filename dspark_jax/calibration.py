@@ -116,9 +116,14 @@ def reliability_bins(pred, outcome, weight=None, bins: int = N_BINS) -> dict[str
 
 @jax.jit
 def apply_sts(conf_logits: jax.Array, temperatures: jax.Array, biases: jax.Array | None = None) -> jax.Array:
-    """Calibrated per-position confidences ``sigmoid(logit_k / T_k + b_k)``: [..., G], [..., G] -> [..., G].
+    """Calibrated per-position confidences ``sigmoid(logit_k / T_k + b_k)``.
 
-    ``biases`` (the offsets `fit_sts_bias` fits; default 0) broadcast like ``temperatures``.
+    Args:
+      conf_logits: float [..., G], the confidence head's raw logits (any float dtype; computed in float32).
+      temperatures: float [G] or [..., G] broadcasting against ``conf_logits`` (`fit_sts`, `sts_for_rows`).
+      biases: optional float offsets shaped like ``temperatures`` (`fit_sts_bias`; default 0).
+    Returns:
+      float32 [..., G] confidences in (0, 1).
 
     >>> [round(float(c), 3) for c in apply_sts(jnp.array([[0.0, 2.0]]), jnp.array([1.0, 2.0]))[0]]
     [0.5, 0.731]
@@ -126,6 +131,10 @@ def apply_sts(conf_logits: jax.Array, temperatures: jax.Array, biases: jax.Array
     ...                                        jnp.array([0.0, -1.0]))[0]]
     [0.5, 0.5]
     """
+    for name, x in (("temperatures", temperatures), ("biases", biases)):
+        if x is not None and (jnp.ndim(x) == 0 or jnp.shape(x)[-1] != jnp.shape(conf_logits)[-1]):
+            raise ValueError(f"{name}: expected [..., G] with G = {jnp.shape(conf_logits)[-1]} (the last axis "
+                             f"of conf_logits), got shape {jnp.shape(x)}")
     z = conf_logits.astype(jnp.float32) / temperatures.astype(jnp.float32)
     if biases is not None:
         z = z + biases.astype(jnp.float32)
@@ -142,8 +151,8 @@ def survival_from_logits(conf_logits: jax.Array, temperatures: jax.Array, biases
 @jax.jit
 def _fit(conf_logits, event, observed, grid, bias_grid):
     """STS core: a lax.scan over positions, each choosing the (offset, temperature) pair of least ECE among
-    the grids' product; candidates run offset-major, so ties keep the first offset, then the smaller
-    temperature."""
+    the grids' product; candidates run offset-major, so ties keep the first offset, then the first
+    temperature of ``grid`` (the caller orders it nearest 1 first)."""
     n, g = conf_logits.shape
     temps_c = jnp.tile(grid, bias_grid.shape[0])  # [Q * P]
     bias_c = jnp.repeat(bias_grid, grid.shape[0])  # [Q * P]
@@ -176,12 +185,24 @@ def _fit_checked(conf_logits, accepted, verified, grid, bias_grid):
         i = int(bad[0])
         raise ValueError(f"round {i}: expected 0 <= accepted <= verified <= G = {g}, got accepted {acc[i]}, "
                          f"verified {ver[i]}")
+    if not bool(jnp.all(jnp.isfinite(conf_logits))):
+        i = int(np.flatnonzero(~np.all(np.isfinite(np.asarray(conf_logits)), axis=1))[0])
+        raise ValueError(f"conf_logits: expected finite logits, round {i} holds NaN or inf")
+    grid = np.asarray(grid, np.float64).ravel()
+    if grid.size == 0 or not np.all(np.isfinite(grid) & (grid > 0)):
+        raise ValueError(f"grid: expected positive finite temperatures, got {grid.tolist()}")
+    # ties (equal ECE) go to the temperature nearest 1: the least change to the head's own confidences
+    grid = np.asarray(sorted(grid, key=lambda t: (abs(np.log(t)), t)), np.float32)
     event, observed = events(accepted, verified, g)
-    if not bool(jnp.any(observed)):
+    seen = np.asarray(jnp.any(observed, axis=0))
+    if not seen.any():
         raise ValueError("fit_sts: no observed positions (every round verified 0 drafts)")
-    temps, biases, _ = _fit(conf_logits, event, observed, jnp.asarray(grid, jnp.float32),
-                            jnp.asarray(bias_grid, jnp.float32))
-    return np.asarray(temps), np.asarray(biases)
+    temps, biases, _ = _fit(conf_logits, event, observed, jnp.asarray(grid), jnp.asarray(bias_grid, jnp.float32))
+    # a position no round verified has no evidence: every candidate scores ECE 0 there, so keep it as the head
+    # gave it (T = 1, offset 0) rather than the first candidate of the grid
+    temps = np.where(seen, np.asarray(temps), np.float32(1.0)).astype(np.float32)
+    biases = np.where(seen, np.asarray(biases), np.float32(0.0)).astype(np.float32)
+    return temps, biases
 
 
 def fit_sts(conf_logits, accepted, verified, grid=STS_GRID) -> np.ndarray:
@@ -194,9 +215,9 @@ def fit_sts(conf_logits, accepted, verified, grid=STS_GRID) -> np.ndarray:
       conf_logits: float [N, G], the confidence head's raw logits of N drafted rounds.
       accepted: int [N], drafts accepted in each round.
       verified: int [N], drafts verified in each round (positions beyond it are unobserved).
-      grid: candidate temperatures.
+      grid: candidate temperatures (positive); of equally good ones the nearest 1 is kept.
     Returns:
-      float32 [G] temperatures (use with `apply_sts`).
+      float32 [G] temperatures (use with `apply_sts`); a position no round verified keeps T = 1.
 
     >>> logits = np.array([[4.0], [4.0], [4.0], [4.0]])  # overconfident: sigmoid(4) = 0.98, half survive
     >>> fit_sts(logits, accepted=[1, 0, 1, 0], verified=[1, 1, 1, 1]).tolist() > [1.0]
@@ -211,7 +232,8 @@ def fit_sts_bias(conf_logits, accepted, verified, grid=STS_GRID, bias_grid=STS_B
 
     Position by position, the (temperature, offset) pair of the grids' product whose calibrated survival
     ``prod_{i<=k} sigmoid(logit_i / T_i + b_i)`` has the least ECE, given the earlier positions' pairs; ties
-    keep the offset listed first (`STS_BIAS_GRID` runs from 0 outwards), then the smaller temperature.
+    keep the offset listed first (`STS_BIAS_GRID` runs from 0 outwards), then the temperature nearest 1. A
+    position no round verified keeps T = 1 and offset 0.
 
     Args:
       conf_logits: float [N, G]; accepted, verified: int [N] (as in `fit_sts`).
@@ -344,6 +366,12 @@ def sts_for_rows(at: jax.Array, temperatures: jax.Array, sampling_temperature: j
     >>> sts_for_rows(jnp.array([0.0, 1.0]), jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([0.0, 0.7])).tolist()
     [[1.0, 2.0], [3.0, 4.0]]
     """
+    if jnp.ndim(at) != 1 or jnp.ndim(temperatures) != 2 or jnp.shape(temperatures)[0] != jnp.shape(at)[0]:
+        raise ValueError(f"sts_for_rows: expected at [K] and temperatures [K, G] (one row per set), got shapes "
+                         f"{jnp.shape(at)} and {jnp.shape(temperatures)}")
+    if jnp.ndim(sampling_temperature) != 1:
+        raise ValueError(f"sampling_temperature: expected [R] (one per row), got shape "
+                         f"{jnp.shape(sampling_temperature)}")
     gap = jnp.abs(sampling_temperature.astype(jnp.float32)[:, None] - at.astype(jnp.float32)[None, :])
     return temperatures.astype(jnp.float32)[jnp.argmin(gap, axis=-1)]
 

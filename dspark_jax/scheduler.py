@@ -137,6 +137,7 @@ def survival_probs(confidences: jax.Array, *, active: jax.Array | None = None) -
     >>> survival_probs(jnp.array([[5.0, jnp.nan, 1.0]])).tolist()
     [[1.0, 0.0, 0.0]]
     """
+    _check_confidences(confidences, active)
     c = jnp.clip(jnp.nan_to_num(confidences.astype(jnp.float32), nan=0.0), 0.0, 1.0)
     cols = [c[:, 0]]
     for j in range(1, c.shape[1]):
@@ -242,6 +243,9 @@ def _check_confidences(confidences, active, name="confidences"):
     if active is not None and tuple(getattr(active, "shape", ())) != confidences.shape[:1]:
         raise ValueError(f"active must have shape [R] = [{confidences.shape[0]}] (one flag per row of {name}), got "
                          f"{tuple(getattr(active, 'shape', ()))}")
+    if active is not None and getattr(active, "dtype", None) != jnp.bool_:
+        raise ValueError(f"active must be bool [R] (True for a request in the batch), got dtype "
+                         f"{getattr(active, 'dtype', type(active).__name__)}")
 
 
 def _check_static(confidences, sps, stop, active=None, name="confidences"):
@@ -457,7 +461,21 @@ def check_inputs(confidences, sps, *, active=None) -> None:
 
 
 def schedule_checked(confidences, sps, *, active=None, stop: str = "first_drop") -> Schedule:
-    """Validating entry point: :func:`check_inputs`, then :func:`schedule`."""
+    """:func:`schedule` behind host-side checks (:func:`check_inputs`): use it outside jit, where bad input should
+    raise instead of being read by value (NaN as 0, values clipped to [0, 1]).
+
+    Args:
+      confidences: float [R, G] in [0, 1]; sps: float [N] finite, positive steps/s with N > R_active;
+      active: optional bool [R]; stop: one of ``STOP_RULES``.
+    Returns:
+      :class:`Schedule`.
+
+    >>> int(schedule_checked([[0.9, 0.1]], [1.0, 1.0, 1.0, 0.5]).batch_tokens)
+    2
+    >>> schedule_checked([[0.9, 1.5]], [1.0, 1.0, 1.0])
+    Traceback (most recent call last):
+    ValueError: confidences: expected values in [0, 1], got 1.5 at [0, 1]
+    """
     if stop not in STOP_RULES:
         raise ValueError(f"stop: expected one of {STOP_RULES}, got {stop!r}")
     check_inputs(confidences, sps, active=active)

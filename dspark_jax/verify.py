@@ -32,28 +32,56 @@ __all__ = ["acceptance_probs", "next_token_probs", "speculative_accept", "greedy
            "leading_true", "top_p_filter"]
 
 
-def _check(fn: str, draft_tokens, lengths=None, **probs) -> tuple[int, int]:
-    """Static shape checks (free under jit; they run when a shape is first traced): draft_tokens [R, G], lengths
-    [R], and each named array [R, G + 1, ...] (target) or [R, G, ...] (draft). Returns (R, G)."""
+def _check(fn: str, draft_tokens, lengths=None, draft_vocab=None, **probs) -> tuple[int, int]:
+    """Static shape and dtype checks (free under jit; they run when a shape is first traced): draft_tokens int
+    [R, G], lengths int [R], each named array [R, G + 1, ...] (target) or [R, G, ...] (draft), the draft law
+    float32 over the target's vocabulary or ``draft_vocab``. Returns (R, G)."""
     if draft_tokens.ndim != 2:
         raise ValueError(f"{fn}: draft_tokens: expected int [R, G], got shape {tuple(draft_tokens.shape)}")
     r, g = draft_tokens.shape
     if lengths is not None and tuple(lengths.shape) != (r,):
         raise ValueError(f"{fn}: lengths: expected int [R] = [{r}], got shape {tuple(lengths.shape)}")
+    if not jnp.issubdtype(draft_tokens.dtype, jnp.integer):
+        raise ValueError(f"{fn}: draft_tokens: expected integer token ids, got dtype {draft_tokens.dtype}")
+    if lengths is not None and not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"{fn}: lengths: expected integer counts, got dtype {lengths.dtype}")
     wants = {"target_probs": "[R, G + 1, V]", "target_logits": "[R, G + 1, V]", "target_tokens": "[R, G + 1]",
              "draft_probs": "[R, G, V]"}
     for name, x in probs.items():
+        if x is None:
+            continue
         rows = g + 1 if name.startswith("target") else g
         if x.ndim != wants[name].count(",") + 1 or tuple(x.shape[:2]) != (r, rows):
             want = wants[name]
             raise ValueError(f"{fn}: {name}: expected {want} with R = {r}, G = {g} (from draft_tokens), got shape "
                              f"{tuple(x.shape)}")
+        if name == "target_tokens" and not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{fn}: target_tokens: expected integer token ids, got dtype {x.dtype}")
+    _check_vocab(fn, probs.get("draft_probs"), probs.get("target_probs"), draft_vocab)
     return r, g
 
 
+def _check_vocab(fn: str, draft_probs, target_probs, draft_vocab) -> None:
+    """Static checks of the draft law: float32 (it must be exactly the law the drafts were drawn from; a cast
+    copy is not), over V tokens (the target's) or over the W tokens of ``draft_vocab``."""
+    if draft_probs is None:
+        return
+    if draft_probs.dtype != jnp.float32:
+        raise ValueError(f"{fn}: draft_probs: expected float32, the exact law the drafts were drawn from, got "
+                         f"{draft_probs.dtype} (compute the draft softmax in float32)")
+    w = draft_probs.shape[-1]
+    if draft_vocab is not None:
+        if draft_vocab.ndim != 1 or draft_vocab.shape[0] != w:
+            raise ValueError(f"{fn}: draft_vocab: expected int [W] with W = {w} (the last axis of draft_probs), "
+                             f"got shape {tuple(draft_vocab.shape)}")
+    elif target_probs is not None and target_probs.shape[-1] != w:
+        raise ValueError(f"{fn}: draft_probs: expected [R, G, V] over the target's V = {target_probs.shape[-1]} "
+                         f"tokens (or pass draft_vocab [W]), got shape {tuple(draft_probs.shape)}")
+
+
 def _as_distribution(probs: jax.Array) -> jax.Array:
-    """float32 rows of a distribution: a lower-precision input is renormalised after the cast (a bfloat16 softmax
-    sums to 1 only within its rounding), so the residual and the acceptance ratio use the law actually meant."""
+    """float32 rows of a distribution: a lower-precision target law is renormalised after the cast (a bfloat16
+    softmax sums to 1 only within its rounding), so the residual and the acceptance ratio use the law meant."""
     if probs.dtype == jnp.float32:
         return probs
     p = probs.astype(jnp.float32)
@@ -108,7 +136,8 @@ def acceptance_probs(draft_tokens: jax.Array, draft_probs: jax.Array, target_pro
     >>> acceptance_probs(jnp.array([[0]]), jnp.array([[[0.5, 0.5]]]), jnp.array([[[0.25, 0.75], [1., 0.]]])).tolist()
     [[0.5]]
     """
-    _check("acceptance_probs", draft_tokens, draft_probs=draft_probs, target_probs=target_probs)
+    _check("acceptance_probs", draft_tokens, draft_vocab=draft_vocab, draft_probs=draft_probs,
+           target_probs=target_probs)
     pd = _draft_prob_of(_as_distribution(draft_probs), draft_tokens, draft_vocab)  # [R, G]
     pt = _gather_last(_as_distribution(target_probs[:, :-1]), draft_tokens)  # [R, G]
     safe = jnp.where(pd > 0, pd, 1.0)
@@ -139,6 +168,11 @@ def next_token_probs(
     Returns:
       float32 [R, V].
     """
+    if draft_probs.ndim != 3 or target_probs.ndim != 3 or target_probs.shape[:2] != (draft_probs.shape[0],
+                                                                                      draft_probs.shape[1] + 1):
+        raise ValueError(f"next_token_probs: expected draft_probs [R, G, V] and target_probs [R, G + 1, V], got "
+                         f"shapes {tuple(draft_probs.shape)} and {tuple(target_probs.shape)}")
+    _check_vocab("next_token_probs", draft_probs, target_probs, draft_vocab)
     g = draft_probs.shape[1]
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, g)
     n = jnp.clip(num_accepted.astype(jnp.int32), 0, lengths)
@@ -184,7 +218,8 @@ def speculative_accept(
       lengths: int [R], drafts verified per row, each in 0..G (clipped to it).
       draft_vocab: optional int [W]; then ``draft_probs`` is [R, G, W] over these token ids.
 
-    Probabilities in a lower precision than float32 are renormalised after the cast to float32.
+    ``draft_probs`` must be float32 (a cast copy is not the law the drafts were drawn from); target
+    probabilities in a lower precision are renormalised after the cast to float32.
 
     Returns:
       ``(num_accepted, next_token)``: int32 [R] accepted drafts (0..lengths) and int32 [R] the token
@@ -198,7 +233,7 @@ def speculative_accept(
     >>> n.tolist(), nxt.tolist()
     ([2], [1])
     """
-    num_rows, g = _check("speculative_accept", draft_tokens, lengths, draft_probs=draft_probs,
+    num_rows, g = _check("speculative_accept", draft_tokens, lengths, draft_vocab, draft_probs=draft_probs,
                          target_probs=target_probs)
     keys = _row_keys(key, num_rows)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, g)

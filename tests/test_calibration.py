@@ -164,3 +164,32 @@ def test_fit_sts_names_inconsistent_rounds():
         cal.fit_sts(logits, accepted=[1, 0], verified=[2, 2, 2])
     with pytest.raises(ValueError, match=r"round 1: expected 0 <= accepted <= verified <= G = 2"):
         cal.fit_sts(logits, accepted=[1, 2, 0], verified=[2, 1, 2])
+    bad = logits.copy()
+    bad[2, 1] = np.nan
+    with pytest.raises(ValueError, match=r"conf_logits: expected finite logits, round 2"):
+        cal.fit_sts(bad, accepted=[1, 0, 0], verified=[2, 2, 2])
+
+
+def test_positions_no_round_verified_keep_the_heads_confidence():
+    """Rounds collected under a scheduler may never verify the late positions: every candidate scores ECE 0 there,
+    so the fit must not pick the grid's sharpest temperature (which would make those drafts look certain)."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(64, 4)).astype(np.float32)
+    verified = np.where(np.arange(64) % 2 == 0, 1, 2)  # positions 3 and 4 never verified
+    accepted = np.minimum(rng.integers(0, 3, size=64), verified)
+    temps = cal.fit_sts(logits, accepted, verified)
+    temps_b, offsets = cal.fit_sts_bias(logits, accepted, verified)
+    assert temps[2:].tolist() == [1.0, 1.0] and temps_b[2:].tolist() == [1.0, 1.0] and offsets[2:].tolist() == [0, 0]
+    assert temps[0] != 1.0 or temps[1] != 1.0  # the observed positions are still fitted
+    # equally good candidates: the temperature nearest 1 (here every temperature scores the same on constant logits)
+    flat = np.zeros((8, 1), np.float32)
+    assert cal.fit_sts(flat, accepted=[1, 0] * 4, verified=[1] * 8).tolist() == [1.0]
+
+
+def test_apply_sts_and_sets_name_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"temperatures: expected \[\.\.\., G\] with G = 3"):
+        cal.apply_sts(jnp.zeros((2, 3)), jnp.ones((2,)))
+    with pytest.raises(ValueError, match=r"expected at \[K\] and temperatures \[K, G\]"):
+        cal.sts_for_rows(jnp.array([0.0, 1.0, 2.0]), jnp.ones((2, 3)), jnp.zeros((1,)))
+    with pytest.raises(ValueError, match=r"sampling_temperature: expected \[R\]"):
+        cal.sts_for_rows(jnp.array([0.0, 1.0]), jnp.ones((2, 3)), jnp.float32(0.5))

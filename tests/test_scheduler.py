@@ -399,3 +399,15 @@ def test_jitted_entry_points_name_bad_shapes():
         scheduler.sps_lookup(jnp.ones((2, 4)), jnp.int32(1))
     s = scheduler.schedule(conf, sps, active=jnp.array([True, False]))
     assert int(s.batch_tokens) == 1 + int(s.lengths.sum())
+
+
+def test_survival_probs_checks_its_input_like_the_scheduler():
+    conf = jnp.full((3, 2), 0.5)
+    with pytest.raises(ValueError, match=r"active must have shape \[R\] = \[3\]"):
+        scheduler.survival_probs(conf, active=jnp.array([True]))
+    with pytest.raises(ValueError, match="active must be bool"):
+        scheduler.survival_probs(conf, active=jnp.array([2, 0, 1]))
+    with pytest.raises(ValueError, match=r"must have shape \[R, G\]"):
+        scheduler.survival_probs(jnp.full((3,), 0.5))
+    with pytest.raises(ValueError, match="active must be bool"):
+        scheduler.schedule(conf, jnp.ones(8), active=jnp.array([1, 1, 0]))

@@ -169,22 +169,49 @@ def test_out_of_range_lengths_are_clipped_and_bad_shapes_named():
         verify.greedy_accept_tokens(drafts[0], drafts, full)
 
 
-def test_low_precision_distributions_are_renormalised():
-    """A bfloat16 softmax sums to 1 only within its rounding; the acceptance and residual laws are those of the
-    renormalised float32 rows, so the exact-law guarantee holds for what the caller meant."""
+def test_low_precision_target_is_renormalised_and_draft_law_must_be_float32():
+    """A bfloat16 softmax sums to 1 only within its rounding: the target's law is taken as the renormalised
+    float32 rows. The draft law must be float32 as given (a cast copy is not the law the drafts were drawn from,
+    so accepting it would bias the output): it is refused by name."""
     rng = np.random.default_rng(6)
-    dp = jax.nn.softmax(jnp.asarray(rng.normal(size=(3, 2, 64)) * 2)).astype(jnp.bfloat16)
+    dp = jax.nn.softmax(jnp.asarray(rng.normal(size=(3, 2, 64)) * 2))
     tp = jax.nn.softmax(jnp.asarray(rng.normal(size=(3, 3, 64)) * 2)).astype(jnp.bfloat16)
     assert abs(float(jnp.sum(tp.astype(jnp.float32), -1).max()) - 1.0) > 1e-4  # not normalised as stored
     norm = lambda x: x.astype(jnp.float32) / jnp.sum(x.astype(jnp.float32), -1, keepdims=True)  # noqa: E731
     for n in range(3):
         got = verify.next_token_probs(dp, tp, jnp.full(3, n), jnp.full(3, 2))
-        want = verify.next_token_probs(norm(dp), norm(tp), jnp.full(3, n), jnp.full(3, 2))
+        want = verify.next_token_probs(dp, norm(tp), jnp.full(3, n), jnp.full(3, 2))
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)
         np.testing.assert_allclose(jnp.sum(got, -1), 1.0, rtol=1e-6)
     drafts = jnp.asarray(rng.integers(0, 64, size=(3, 2)))
-    np.testing.assert_allclose(verify.acceptance_probs(drafts, dp, tp),
-                               verify.acceptance_probs(drafts, norm(dp), norm(tp)), rtol=1e-6)
+    np.testing.assert_allclose(verify.acceptance_probs(drafts, dp, tp), verify.acceptance_probs(drafts, dp, norm(tp)),
+                               rtol=1e-6)
+    low = dp.astype(jnp.bfloat16)
+    for call in (lambda: verify.acceptance_probs(drafts, low, tp),
+                 lambda: verify.next_token_probs(low, tp, jnp.zeros(3, jnp.int32), jnp.full(3, 2)),
+                 lambda: verify.speculative_accept(jax.random.key(0), drafts, low, tp, jnp.full(3, 2))):
+        with pytest.raises(ValueError, match="draft_probs: expected float32"):
+            call()
+
+
+def test_vocabulary_and_dtype_mismatches_are_refused_by_name():
+    rng = np.random.default_rng(7)
+    drafts = jnp.asarray(rng.integers(0, 3, size=(2, 2)), jnp.int32)
+    dp = jnp.asarray(rng.dirichlet(np.ones(3), size=(2, 2)), jnp.float32)  # [R, G, 3]
+    tp = jnp.asarray(rng.dirichlet(np.ones(4), size=(2, 3)), jnp.float32)  # [R, G + 1, 4]
+    lengths = jnp.full(2, 2, jnp.int32)
+    with pytest.raises(ValueError, match=r"draft_probs: expected \[R, G, V\] over the target's V = 4"):
+        verify.speculative_accept(jax.random.key(0), drafts, dp, tp, lengths)
+    with pytest.raises(ValueError, match=r"draft_vocab: expected int \[W\] with W = 3"):
+        verify.speculative_accept(jax.random.key(0), drafts, dp, tp, lengths, jnp.arange(2))
+    n, _ = verify.speculative_accept(jax.random.key(0), drafts, dp, tp, lengths, jnp.array([0, 1, 3]))
+    assert n.shape == (2,)
+    with pytest.raises(ValueError, match="lengths: expected integer counts"):
+        verify.greedy_accept(drafts, tp, lengths.astype(jnp.float32))
+    with pytest.raises(ValueError, match="draft_tokens: expected integer token ids"):
+        verify.greedy_accept_tokens(drafts.astype(jnp.float32), jnp.zeros((2, 3), jnp.int32), lengths)
+    with pytest.raises(ValueError, match="target_tokens: expected integer token ids"):
+        verify.greedy_accept_tokens(drafts, jnp.zeros((2, 3), jnp.float32), lengths)
 
 
 def test_first_argmax_is_argmax_with_nan():
