@@ -170,8 +170,11 @@ class Tokenizer:
         """Token ids of the chat-templated conversation."""
         return self.encode(self.apply_chat_template(turns, add_generation_prompt, **template_kwargs))
 
-    def stream(self, skip_special: bool = True) -> "StreamDecoder":
-        return StreamDecoder(self, skip_special)
+    def stream(self, skip_special: bool = True, context: Sequence[int] = ()) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special, context)
+
+
+CONTEXT_TOKENS = 6  # prompt tokens a StreamDecoder decodes ahead of the stream (vLLM's detokenizer keeps 5)
 
 
 class StreamDecoder:
@@ -179,13 +182,21 @@ class StreamDecoder:
 
     Byte-level BPE tokens can end inside a multi-byte character; text is held back while the decoded tail
     ends with the replacement character and released once the character completes.
+
+    ``context``: the last few tokens before the stream (the prompt's tail), decoded with it but never returned:
+    a SentencePiece-style decoder strips the space a word-initial token carries only at the start of a text,
+    so without it a completion of "The capital is" would begin "Paris" instead of " Paris".
     """
 
-    def __init__(self, tokenizer: "Tokenizer | HFTokenizer", skip_special: bool = True):
+    def __init__(self, tokenizer: "Tokenizer | HFTokenizer", skip_special: bool = True,
+                 context: Sequence[int] = ()):
         self._tok, self._skip = tokenizer, skip_special
-        self._ids: list[int] = []
+        ctx = [int(t) for t in context][-CONTEXT_TOKENS:]
+        if ctx and tokenizer.decode(ctx, skip_special).endswith("\ufffd"):
+            ctx = []  # a prompt ending inside a character: its tail cannot be a clean prefix
+        self._ids: list[int] = ctx
         self._prefix = 0  # ids before this are settled text already returned
-        self._read = 0  # ids[prefix:read] decode to text already returned
+        self._read = len(ctx)  # ids[prefix:read] decode to text already returned (or to the context)
 
     def push(self, token_id: int) -> str:
         self._ids.append(int(token_id))
@@ -372,5 +383,5 @@ class HFTokenizer:
         """Token ids of the chat-templated conversation (the template writes any BOS itself, so none is added)."""
         return self.encode(self.apply_chat_template(turns, add_generation_prompt, **template_kwargs))
 
-    def stream(self, skip_special: bool = True) -> "StreamDecoder":
-        return StreamDecoder(self, skip_special)
+    def stream(self, skip_special: bool = True, context: Sequence[int] = ()) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special, context)

@@ -287,6 +287,13 @@ def test_sentencepiece_style_tokenizer_matches_transformers(tmp_path, flags):
     want = ref.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True)
     want = want["input_ids"] if hasattr(want, "keys") else want
     assert ours.encode_chat(conversation) == list(want)
+    # a completion streamed after its prompt keeps the space its first word carries ("hi" + " there")
+    both = ours.encode("hi there fine", add_special=True)
+    cut = max(i for i, p in enumerate(ref.convert_ids_to_tokens(both)) if p.startswith("\u2581"))  # "▁fine"'s start
+    prompt, answer = both[:cut], both[cut:]
+    assert ref.decode(both, skip_special_tokens=True).endswith(" fine")  # alone, most variants strip its space
+    dec = ours.stream(context=prompt)
+    assert "".join([dec.push(t) for t in answer] + [dec.flush()]) == " fine"
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))  # null: the EOS alone
     assert HFTokenizer.from_folder(tmp_path).stop_ids == (2,)
 

@@ -144,7 +144,8 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(served):
         (400, "chat/completions", {"model": MODEL, "messages": msgs, "n": 2}),
         (400, "chat/completions", {"model": MODEL}),
         (400, "completions", {"model": MODEL, "prompt": [10**9]}),
-        (400, "completions", {"model": MODEL, "prompt": "Hi", "seed": -1}),
+        (400, "completions", {"model": MODEL, "prompt": "Hi", "stream_options": {"include_usage": True}}),
+        (400, "completions", {"model": MODEL, "prompt": "Hi", "stop": 5}),
     ]
     received = metric(served, "dspark_requests_received_total")
 
@@ -202,16 +203,36 @@ def test_fields_other_clients_send(served, monkeypatch):
     assert answer({"messages": [{"role": "developer", "content": "Be brief."}, *msgs]}) == system
     answer({"messages": [*msgs, {"role": "assistant", "content": None}, *msgs]})
     answer({"messages": msgs, "model": f"HuggingFaceTB/{MODEL}", "n": None, "stream": None, "logprobs": False,
-            "tools": [], "response_format": {"type": "text"}, "presence_penalty": 0.5, "user": "u1"})
+            "tools": [], "response_format": {"type": "text"}, "presence_penalty": 0, "frequency_penalty": 0.0,
+            "logit_bias": {}, "top_k": -1, "min_p": 0, "best_of": 1, "user": "u1"})
+    r = httpx.post(f"{url}/chat/completions", json={"messages": msgs, "max_tokens": 4, "temperature": 0},
+                   headers=auth, timeout=60)  # no model: the served one
+    assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    assert answer({"messages": [{"role": "user", "content": parts}]}) == answer(
+        {"messages": [{"role": "user", "content": "Hi\nthere"}]})  # text parts joined as vLLM joins them
+    r = post("completions", {"prompt": "Hi", "stop": 5})
+    assert r.json()["error"]["param"] == "stop", r.text  # not pydantic's "stop.str"
     answer({"messages": msgs}, headers={"Authorization": f"bearer {KEY}"})
     big = 2**40 + 12345
     hot = {"prompt": "Once", "temperature": 1.0, "max_tokens": 6}
     assert answer({**hot, "seed": big}, "completions") == answer({**hot, "seed": big % 2**31}, "completions")
+    assert answer({**hot, "seed": -1}, "completions") == answer({**hot, "seed": 2**31 - 1}, "completions")
     for body, param in (({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
                         ({"echo": True}, "echo"), ({"response_format": {"type": "json_object"}}, "response_format"),
                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
         r = post("chat/completions", {"messages": msgs, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    # fields that would change the answer are refused by name unless neutral, never silently dropped
+    for body in ({"presence_penalty": 0.5}, {"frequency_penalty": -1}, {"repetition_penalty": 1.2},
+                 {"logit_bias": {"10": 5}}, {"top_k": 5}, {"min_p": 0.1}, {"min_tokens": 3}, {"best_of": 2},
+                 {"guided_choice": ["a", "b"]}, {"continue_final_message": True}):
+        r = post("chat/completions", {"messages": msgs, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(body)), r.text
+    for path, body in (("completions", {"prompt": "Hi", "logprobs": 0}), ("completions", {"prompt": "Hi",
+                                                                                          "suffix": "x"})):
+        r = post(path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(body.keys() - {"prompt"})), r.text
     r = post("chat/completions", {"messages": [*msgs, {"role": "tool", "content": "42"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.role"
     r = post("chat/completions", {"messages": [{"role": "user", "content": None}]})
@@ -220,6 +241,13 @@ def test_fields_other_clients_send(served, monkeypatch):
     def refuse(*a, **k):
         raise ChatTemplateError("Conversation roles must alternate user/assistant")
 
+    given = []
+    encode_chat = served.tok.encode_chat
+    monkeypatch.setattr(served.tok, "encode_chat", lambda turns, *a, **k: given.append((turns, a, k)) or
+                        encode_chat(turns, *a, **k))
+    answer({"messages": [{"role": "user", "content": "Hi", "name": "ann"}],
+            "chat_template_kwargs": {"enable_thinking": False}})
+    assert given[-1] == ([{"role": "user", "content": "Hi", "name": "ann"}], (True,), {"enable_thinking": False})
     monkeypatch.setattr(served.tok, "encode_chat", refuse)
     r = post("chat/completions", {"messages": msgs})
     assert r.status_code == 400 and "alternate" in r.json()["error"]["message"]
@@ -371,3 +399,26 @@ def test_serve_doctests():
     for module in (app, load):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0
+
+
+def test_cors_preflight_passes_the_key_check_and_names_allowed_origins(served):
+    """A browser's preflight carries no credentials: it must not get 401. With --allowed-origins the answer
+    allows that origin; without it the server adds no CORS headers (same-origin only). The app is driven
+    without its lifespan, so the shared engine is not stopped."""
+    from fastapi.testclient import TestClient
+
+    from dspark_jax.serve import create_app
+
+    pre = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}
+    for origins in (["http://localhost:3000"], ["*"]):
+        client = TestClient(create_app(served.worker, served.tok, MODEL, api_key=KEY, allowed_origins=origins))
+        r = client.options("/v1/chat/completions", headers=pre)
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] in ("http://localhost:3000", "*")
+        assert client.get("/v1/models", headers={"Origin": "http://localhost:3000"}).status_code == 401
+        r = client.get("/v1/models", headers={"Origin": "http://localhost:3000", "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and "access-control-allow-origin" in r.headers
+    client = TestClient(create_app(served.worker, served.tok, MODEL, api_key=KEY))
+    r = client.options("/v1/chat/completions", headers=pre)
+    assert r.status_code != 401 and "access-control-allow-origin" not in r.headers

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-timeout", type=nonnegative_float, default=600.0,
                    help="seconds a request may wait for a slot before it is refused with 503 (0: no limit)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request but /health")
+    p.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
+                   help="browser origins allowed to call the API (CORS), e.g. http://localhost:3000, or '*' for "
+                        "any (default: none, same-origin only)")
     p.add_argument("--warm-up", action="store_true",
                    help="compile every round program before serving (greedy and sampled; minutes on a CPU)")
     return p
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
         engine.warm_up(args.max_prompt_tokens, sampled=True)
     worker = EngineWorker(engine, max_queued=args.max_queued_requests,
                           queue_timeout=args.queue_timeout or None)
-    app = create_app(worker, model.tokenizer, name, api_key=args.api_key, default_max_tokens=args.max_new_tokens)
+    app = create_app(worker, model.tokenizer, name, api_key=args.api_key, default_max_tokens=args.max_new_tokens,
+                     allowed_origins=args.allowed_origins)
     print(f"serving {name!r} (policy {engine.policy}, {args.num_slots} slots) on http://{args.host}:{args.port}",
           file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=600)

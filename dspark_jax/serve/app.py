@@ -3,15 +3,20 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the model's chat template),
 ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``, ``GET /metrics`` (Prometheus text).
 
-Per request: ``temperature`` (0..2; omitted: the server's ``--temperature``), ``top_p`` (0..1], ``seed`` (any
-integer, taken modulo 2**31), ``max_tokens`` (chat also ``max_completion_tokens``), ``stop`` (strings: the text
-is cut before the first one, as OpenAI does), ``stop_token_ids`` and ``ignore_eos`` (as vLLM's), ``stream`` with
-``stream_options.include_usage``; ``n`` must be 1. What the server cannot do is refused rather than ignored:
-``logprobs``, ``top_logprobs``, ``echo``, ``tools`` and a ``response_format`` other than text. Other fields
-(penalties, ``logit_bias``, ``user``, ...) are ignored. Errors are OpenAI's shape, ``{"error": {"message",
-"type", "param", "code"}}``: 400 for a bad body (bad JSON, a value out of range, a prompt longer than the
-context, a conversation the chat template refuses), 401 without the ``--api-key``, 404 for an unknown model,
-429 when the queue is full, 503 when shutting down or after the queue timeout.
+Per request: ``model`` (optional, as vLLM's), ``temperature`` (0..2; omitted: the server's ``--temperature``),
+``top_p`` (0..1], ``seed`` (any integer, taken modulo 2**31), ``max_tokens`` (chat also
+``max_completion_tokens``), ``stop`` (strings: the text is cut before the first one, as OpenAI does),
+``stop_token_ids`` and ``ignore_eos`` (as vLLM's), ``stream`` with ``stream_options.include_usage``; chat also
+``chat_template_kwargs`` and ``add_generation_prompt`` (as vLLM's) and a ``name`` per message, passed to the
+template; ``n`` must be 1. A field that would change the answer in a way this server cannot do is refused by
+name (400, code ``unsupported_parameter``) unless it holds its neutral value: ``logprobs``, ``top_logprobs``,
+``echo``, ``tools``, a ``response_format`` other than text, penalties, ``logit_bias``, ``top_k``, ``min_p``,
+``min_tokens``, ``best_of``, ``suffix``, ``functions``, guided decoding, ``continue_final_message``. Fields that
+do not change the answer (``user``, ``metadata``, ...) are ignored. Errors are OpenAI's shape, ``{"error":
+{"message", "type", "param", "code"}}``: 400 for a bad body (bad JSON, a value out of range, a prompt longer than
+the context, a conversation the chat template refuses), 401 without the ``--api-key`` (paths under ``/v1``
+and ``/metrics``; CORS preflights pass), 404 for an unknown model, 429 when the queue is full, 503 when
+shutting down or after the queue timeout.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -49,11 +55,11 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # omitted: the served model (as vLLM)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0)  # reduced modulo 2**31 (OpenAI's seeds are 64-bit)
+    seed: int | None = None  # any integer, reduced modulo 2**31 (OpenAI's seeds are 64-bit, signed)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False
@@ -66,11 +72,31 @@ class _Sampling(BaseModel):
     echo: bool | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    # Fields of OpenAI's and vLLM's APIs that change the answer and that this server does not implement: each
+    # is accepted only at its neutral value (`_NEUTRAL`), so a client never gets an answer it did not ask for.
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    functions: Any = None
+    function_call: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    continue_final_message: Any = None
 
     def unsupported(self) -> str | None:
         """The first field asking for something this server does not do, else None."""
-        if self.logprobs not in (None, False, 0):
-            return "logprobs"
+        if self.logprobs is not None and self.logprobs is not False and (self.logprobs is True
+                                                                         or not self._chat):
+            return "logprobs"  # completions: an integer, 0 included, asks for the chosen tokens' logprobs
         if self.top_logprobs:
             return "top_logprobs"
         if self.echo:
@@ -79,7 +105,22 @@ class _Sampling(BaseModel):
             return "tools"
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             return "response_format"
+        for name, neutral in _NEUTRAL.items():
+            value = getattr(self, name)
+            if value is not None and value not in neutral:
+                return name
         return None
+
+    _chat: ClassVar[bool] = False
+
+
+# the values of the refused fields that ask for nothing (what clients send by default)
+_NEUTRAL: dict[str, tuple] = {
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},), "top_k": (0, -1), "min_p": (0, 0.0), "min_tokens": (0,), "best_of": (1,),
+    "suffix": ("",), "functions": ([],), "function_call": ("none",), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "continue_final_message": (False,),
+}
 
 
 class CompletionRequest(_Sampling):
@@ -95,6 +136,7 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -102,6 +144,9 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's {"enable_thinking": false}
+    add_generation_prompt: bool = True
+    _chat: ClassVar[bool] = True
 
 
 class APIError(Exception):
@@ -128,8 +173,8 @@ class TextStream:
     ('ab', '', True, 4)
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str], hidden_ids: Sequence[int]):
-        self._dec = tokenizer.stream()
+    def __init__(self, tokenizer, stop: Sequence[str], hidden_ids: Sequence[int], context: Sequence[int] = ()):
+        self._dec = tokenizer.stream(context=context) if context else tokenizer.stream()
         self._stop = [s for s in stop if s]
         self._hidden = frozenset(int(t) for t in hidden_ids)
         self.text = ""  # the answer's text so far (cut at a stop string)
@@ -179,15 +224,17 @@ class TextStream:
 
 
 def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str | None = None,
-               default_max_tokens: int = 256) -> FastAPI:
+               default_max_tokens: int = 256, allowed_origins: Sequence[str] = ()) -> FastAPI:
     """The FastAPI application serving ``worker``'s engine under the name ``model_name``.
 
     Args:
       worker: the engine thread (started and drained by the app's lifespan when not already running).
       tokenizer: the target's tokenizer (`dspark_jax.tokenizer.Tokenizer`): text, chat template, stop ids.
       model_name: the id clients pass as ``model``.
-      api_key: when set, every request but ``/health`` needs ``Authorization: Bearer <api_key>`` (else 401).
+      api_key: when set, every request but ``/health`` and CORS preflights needs ``Authorization: Bearer
+        <api_key>`` (else 401).
       default_max_tokens: the output budget of a request that gives none (capped by the context left).
+      allowed_origins: browser origins allowed to call the API (CORS; ``"*"``: any); none: same-origin only.
     """
     engine = worker.engine
     capacity = engine.cfg.capacity - engine.G - 1  # prompt + output tokens a slot holds
@@ -207,7 +254,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
     async def bad_request(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        loc = _field_path(first.get("loc", ()))
         kind = first.get("type", "")
         msg = "the body is not valid JSON" if kind == "json_invalid" else first.get("msg", "invalid request")
         return _error_response(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", param=".".join(loc) or None)
@@ -223,6 +270,9 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
 
     if api_key is not None:
         app.add_middleware(_KeyCheck, key=api_key)
+    if allowed_origins:  # added last, so it runs first: a preflight is answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.get("/health")
     async def health():
@@ -237,9 +287,9 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
     async def models():
         return {"object": "list", "data": [card]}
 
-    def check_model(model: str) -> None:
-        # the served name, or a Hugging Face id ending in it ("HuggingFaceTB/SmolLM2-135M-Instruct")
-        if model != model_name and model.rsplit("/", 1)[-1] != model_name:
+    def check_model(model: str | None) -> None:
+        # the served name, or a Hugging Face id ending in it ("HuggingFaceTB/SmolLM2-135M-Instruct"); none: it
+        if model is not None and model != model_name and model.rsplit("/", 1)[-1] != model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
 
@@ -260,6 +310,8 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
         if field is not None:
             raise APIError(400, f"{field}: not supported by this server (leave it unset)", param=field,
                            code="unsupported_parameter")
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options: only with stream = true", param="stream_options")
 
     def make_request(body: _Sampling, prompt_ids: list[int], max_tokens: int | None) -> tuple[GenerationRequest,
                                                                                               list[str]]:
@@ -295,7 +347,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
         except ShuttingDown as e:
             raise APIError(503, str(e), "server_error", code="unavailable") from None
         hidden = set(int(t) for t in engine.stop_ids) | set(req.sampling.stop_token_ids)
-        text = TextStream(tokenizer, stop, hidden)
+        text = TextStream(tokenizer, stop, hidden, context=prompt_ids)  # the prompt's tail: a leading space kept
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         started = int(time.time())  # every chunk of the answer carries the same `created`
         first = await _next_event(request, events, worker, req)
@@ -331,7 +383,8 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
                         if delta:
                             yield delta, None
                 if event.kind == "done":
-                    yield text.finish(), event.finish_reason
+                    rest = text.finish()  # may complete a stop string held back until now
+                    yield rest, "stop" if text.stopped else event.finish_reason
                     return
                 event = await _next_event(request, events, worker, req)
 
@@ -361,7 +414,10 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
                 choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
             else:
                 choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
-            return _sse({"id": rid, "object": obj, "created": started, "model": model_name, "choices": [choice]})
+            out = {"id": rid, "object": obj, "created": started, "model": model_name, "choices": [choice]}
+            if include_usage:
+                out["usage"] = None  # as OpenAI: null on every chunk but the last
+            return _sse(out)
 
         async def stream():
             finished = False
@@ -420,10 +476,13 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
                 if not all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in m.content):
                     raise APIError(400, f"messages.{i}.content: only text parts are supported",
                                    param=f"messages.{i}.content")
-                content = "".join(p["text"] for p in m.content)
-            turns.append({"role": role, "content": content})
+                content = "\n".join(p["text"] for p in m.content)  # as vLLM joins text parts
+            turn = {"role": role, "content": content}
+            if m.name is not None:
+                turn["name"] = m.name
+            turns.append(turn)
         try:
-            ids = tokenizer.encode_chat(turns)
+            ids = tokenizer.encode_chat(turns, body.add_generation_prompt, **(body.chat_template_kwargs or {}))
         except ValueError as e:  # the template refuses the conversation (ChatTemplateError), or has none
             raise APIError(400, f"messages: {e}", param="messages") from None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -433,14 +492,15 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
 
 
 class _KeyCheck:
-    """ASGI middleware: every HTTP request but ``/health`` needs ``Authorization: Bearer <key>`` (else 401).
-    Plain ASGI (not `BaseHTTPMiddleware`) so streaming responses and disconnects pass through untouched."""
+    """ASGI middleware: every HTTP request but ``/health`` and CORS preflights (``OPTIONS``, which browsers send
+    without credentials) needs ``Authorization: Bearer <key>`` (else 401). Plain ASGI (not
+    `BaseHTTPMiddleware`) so streaming responses and disconnects pass through untouched."""
 
     def __init__(self, app, key: str):
         self.app, self.expected = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] != "/health" and scope["method"] != "OPTIONS":
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
             # the scheme is case-insensitive (RFC 9110); the key is compared in constant time
             if not (hmac.compare_digest(given.strip(), self.expected) and scheme.lower() == b"bearer"):
@@ -449,6 +509,20 @@ class _KeyCheck:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _field_path(loc: Sequence) -> list[str]:
+    """A validation error's location as the request's field path: without FastAPI's leading ``body`` and
+    pydantic's union-branch tags (``stop.str``, ``prompt.list[int]`` -> ``stop``, ``prompt``)."""
+    out = []
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list", "none")
+                                      or ("[" in part and part.endswith("]"))):
+            break  # a branch of a union: the field is what came before it
+        out.append(str(part))
+    return out
 
 
 def _sse(obj: dict) -> str:
