@@ -328,7 +328,9 @@ def top_k_lengths(confidences: jax.Array, k: jax.Array, *, active: jax.Array | N
 
     Candidates with zero survival are never admitted, so fewer than ``k`` drafts may be verified.
     A prefix is always admitted before its extension, so the admission of draft ``(r, j)`` never looks
-    at draft ``(r, j)`` itself.
+    at draft ``(r, j)`` itself. ``k`` is taken as given: the verified batch is ``R_active + k`` at most, so
+    a ``k`` from :func:`capacity` at another number of active requests may price a batch the SPS table
+    does not hold (take ``k`` from the current one, as the engine does).
 
     Args:
       confidences: float [R, G] in [0, 1].
