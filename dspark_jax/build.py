@@ -137,23 +137,15 @@ def load_drafter_for(target: LlamaModel, draft: str | Path | None = "dspark") ->
     return LoadedDrafter(drafter, temps, prior_confidence(path, EngineConfig.prior_confidence), path)
 
 
-def sps_table_for(model_name: str, block: int, path: str | Path | None = None, *, mesh: Any = None,
-                  allow_mesh_mismatch: bool = False):
-    """The SPS table for a target and block: the file at `path`, else the packaged table chosen for this host.
-
-    The table must have been measured on the engine's ``mesh`` (None: one device; the packaged tables were):
-    another mesh's is refused with a ValueError unless ``allow_mesh_mismatch`` (`sharding.check_table_mesh`).
-    """
-    from dspark_jax.sharding import check_table_mesh  # noqa: PLC0415
+def sps_table_for(model_name: str, block: int, path: str | Path | None = None):
+    """The SPS table for a target and block: the file at ``path``, else the packaged table chosen for this host,
+    warned about where it was measured for another model or block. The engine it is given to checks the rest
+    (mesh, backend, device kind, dtype, drafter, reach)."""
     from dspark_jax.sps import default_sps_table, load_sps_table  # noqa: PLC0415
 
     if path is not None:
-        table = load_sps_table(path, model=model_name, block=block)
-    else:
-        table = default_sps_table(model=model_name)
-    check_table_mesh(table, mesh, allow_mismatch=allow_mesh_mismatch,
-                     source=f"SPS table {path}" if path is not None else "the packaged SPS table")
-    return table
+        return load_sps_table(path, model=model_name, block=block)
+    return default_sps_table(model=model_name)
 
 
 def cache_capacity(max_prompt_tokens: int, max_new_tokens: int, block: int, step: int = 128) -> int:
@@ -211,13 +203,7 @@ def build_engine(target: LlamaModel, policy: str = "dspark", *, draft: str | Pat
         from dspark_jax.sps import SPSTable  # noqa: PLC0415
 
         name = model_name or target_name(None)
-        if isinstance(sps, SPSTable):
-            from dspark_jax.sharding import check_table_mesh  # noqa: PLC0415
-
-            check_table_mesh(sps, mesh, allow_mismatch=allow_sps_mesh_mismatch)
-            table = sps
-        else:
-            table = sps_table_for(name, block, sps, mesh=mesh, allow_mesh_mismatch=allow_sps_mesh_mismatch)
+        table = sps if isinstance(sps, SPSTable) else sps_table_for(name, block, sps)
     if capacity is None:
         capacity = cache_capacity(max_prompt_tokens, max_new_tokens, block)
     if loaded is not None:
@@ -226,7 +212,8 @@ def build_engine(target: LlamaModel, policy: str = "dspark", *, draft: str | Pat
     cfg = EngineConfig(num_slots=int(num_slots), capacity=int(capacity), temperature=float(temperature),
                        seed=int(seed), **config)
     return Engine(target, loaded.drafter if loaded is not None else None, pol, cfg,
-                  sts_temperatures=loaded.sts_temperatures if loaded is not None else None, sps=table, mesh=mesh)
+                  sts_temperatures=loaded.sts_temperatures if loaded is not None else None, sps=table, mesh=mesh,
+                  allow_sps_mesh_mismatch=allow_sps_mesh_mismatch)
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, draft: bool = True) -> None:

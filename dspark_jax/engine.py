@@ -420,11 +420,14 @@ class Engine:
         nearest its own); default: all ones.
       sps: for the ``dspark`` policies, an `SPSTable` (its cost model, when it has one, gives a fresh
         steps/s curve every round for the round's requests and context) or a dense steps/s array [N]
-        (default: the shipped CPU table).
+        (default: the packaged table chosen for this host). A table is refused when measured on another
+        mesh (`sharding.check_table_mesh`) and warned about, naming both values, when measured on another
+        backend, device kind or dtype, with another drafter shape, or short of the engine's largest round.
       mesh: optional ``(data, tensor)`` device mesh (`sharding.make_mesh`): the target's weights, the
         caches, the drafter and the engine state are laid out on it by `sharding.RULES` (slots over
         ``data``; heads, FFN width and vocabulary over ``tensor``) and jit propagates the layout; None: one
         device, as before.
+      allow_sps_mesh_mismatch: use a table measured on another mesh anyway (a warning instead).
 
     `submit` queues a request, `step` runs one round, `run` decodes a list of prompts to the end
     (`dspark_jax.build_engine` builds one from names and paths):
@@ -439,7 +442,7 @@ class Engine:
 
     def __init__(self, target: LlamaModel, drafter: dr.Drafter | None, policy: Policy | str = "dspark",
                  config: EngineConfig = EngineConfig(), *, sts_temperatures=None, sps=None,
-                 stop_ids: Sequence[int] | None = None, mesh=None):
+                 stop_ids: Sequence[int] | None = None, mesh=None, allow_sps_mesh_mismatch: bool = False):
         self.mesh = mesh
         if mesh is not None:  # a placed copy: the caller's target keeps its own arrays
             from dspark_jax.sharding import mesh_fit, place_target_weights  # noqa: PLC0415
@@ -501,8 +504,14 @@ class Engine:
             if sps is None:
                 sps = default_sps_table()
             if isinstance(sps, SPSTable):
-                if self.drafter is not None:
-                    sps.check_compatible(drafter=self.drafter.cfg.to_dict())
+                from dspark_jax.sharding import check_table_mesh  # noqa: PLC0415
+
+                check_table_mesh(sps, mesh, allow_mismatch=allow_sps_mesh_mismatch)
+                device = mesh.devices.flat[0] if mesh is not None else next(iter(target.weights.embed.devices()))
+                sps.check_compatible(drafter=None if self.drafter is None else self.drafter.cfg.to_dict(),
+                                     dtype=jnp.dtype(target.weights.embed.dtype).name, backend=device.platform,
+                                     device_kind=device.device_kind)
+                self._check_table_reach(sps, config.num_slots)
                 if sps.cost_model is not None:
                     if sps.cost_model.block != self.G or sps.cost_model.window_rule != config.window_rule:
                         raise ValueError(
@@ -571,6 +580,19 @@ class Engine:
 
     def _init_gate(self) -> gate.GateState:
         return gate.init(self.gate_cfg, self.cfg.num_slots, self.G, self.cfg.prior_confidence)
+
+    def _check_table_reach(self, table: SPSTable, num_slots: int) -> None:
+        """Warn where the engine's largest round lies beyond what ``table`` measured: rounds of more requests
+        are priced as its largest row count, and no round is scheduled past its largest batch."""
+        most = num_slots * (self.G + 1)
+        have = table.to_dense().shape[0] - 1
+        rows = None if table.cost_model is None else max(table.cost_model.rows)
+        if most > have or (rows is not None and num_slots > rows):
+            warnings.warn(f"SPS table: measured up to {have} verified tokens"
+                          + ("" if rows is None else f" and {rows} requests a round")
+                          + f", but this engine's {num_slots} slots may verify {most} tokens a round: larger rounds "
+                          f"are priced as the largest measured or not scheduled; profile to that size "
+                          f"(python -m profiling.profile_sps --max-tokens {most})", stacklevel=3)
 
     def _init_state(self) -> EngineState:
         c, S = self.cfg, self.cfg.num_slots

@@ -36,6 +36,7 @@ import datetime
 import functools
 import os
 import platform
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -447,7 +448,7 @@ def _draft_thunk(drafter: Drafter, embed: jax.Array, *, rows: int, context: int,
     graphdef, params = nnx.split(drafter)
     head_w = draft_head_weights(drafter, embed)  # [D, W_vocab]
     run = _draft_step(graphdef)
-    args = (params, init_drafter_cache(cfg, rows, W, embed.dtype), jnp.arange(rows, dtype=jnp.int32),
+    args = (params, init_drafter_cache(cfg, rows, W), jnp.arange(rows, dtype=jnp.int32),  # float32, as the engine's
             jnp.full((rows,), context, jnp.int32), jnp.zeros((rows,), jnp.int32),
             jax.random.split(jax.random.key(0), rows), jnp.float32(1.0), embed, head_w)
     mesh = mesh_of(embed)
@@ -710,11 +711,12 @@ def add_plain_rounds(table: SPSTable, weights: LlamaWeights, cfg: LlamaConfig, *
     return SPSTable(table.points, meta, cost)
 
 
-def _forced_table(cost: CostModel, kind: str, tokens: int | None = None) -> SPSTable:
+def _forced_table(cost: CostModel, kind: str, tokens: int | None = None, mesh: Mesh | None = None) -> SPSTable:
     """A table under which the dspark engine drafts every round (``kind="drafting"``: verification flat up
     to ``tokens`` batch tokens (default: every batch) and priced out beyond, plain rounds priced out, so each
     round fills that batch) or never runs the drafter after its first round (``"plain"``: the drafter priced
-    out). Only :func:`profile_round_overhead` uses it."""
+    out), recorded as measured on ``mesh`` (the engine it drives checks it). Only :func:`profile_round_overhead`
+    uses it."""
     C, R = len(cost.context_lengths), len(cost.rows)
     slow = [[1e3] * R for _ in range(C)]
     zeros = [[0.0] * R for _ in range(C)]
@@ -728,7 +730,8 @@ def _forced_table(cost: CostModel, kind: str, tokens: int | None = None) -> SPST
         forced = dataclasses.replace(cost, verify_s=verify, plain_s=slow, plain_spread_s=zeros)
     else:
         forced = dataclasses.replace(cost, draft_s=slow)
-    return SPSTable(sps_points(forced, forced.context_lengths[0]), cost_model=forced)
+    return SPSTable(sps_points(forced, forced.context_lengths[0]), SPSMetadata(extra={"mesh": mesh_shape(mesh)}),
+                    cost_model=forced)
 
 
 def overhead_batches(cost: CostModel, rows: int) -> tuple[int, ...]:
@@ -796,13 +799,17 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
         # machine) moves every kind alike and the ratios between them hold.
         kinds = (0, *overhead_batches(cost, R))  # plain, then each padded batch
         engines = {}
+        mesh = mesh_of(target.weights.embed)
         for batch in kinds:
-            engines[batch] = Engine(target, drafter, "dspark",
-                                    EngineConfig(num_slots=R, capacity=capacity, temperature=temperature,
-                                                 window_rule=cost.window_rule, gate_probe_every=10**9,
-                                                 calibrate_times=False, drafter_off_after=None),
-                                    sps=_forced_table(base, "drafting" if batch else "plain", batch or None),
-                                    stop_ids=(), mesh=mesh_of(target.weights.embed))
+            with warnings.catch_warnings():  # its forced table is meant to stop short of the largest rounds
+                warnings.filterwarnings("ignore", message="SPS table: measured up to")
+                engines[batch] = Engine(target, drafter, "dspark",
+                                        EngineConfig(num_slots=R, capacity=capacity, temperature=temperature,
+                                                     window_rule=cost.window_rule, gate_probe_every=10**9,
+                                                     calibrate_times=False, drafter_off_after=None),
+                                        sps=_forced_table(base, "drafting" if batch else "plain", batch or None,
+                                                          mesh),
+                                        stop_ids=(), mesh=mesh)
             for _ in range(R):
                 engines[batch].submit(rng.integers(0, vocab, context).tolist(), max_new)
         for i in range(attempts):

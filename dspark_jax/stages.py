@@ -188,7 +188,7 @@ def _drafter_stage_thunks(drafter: Drafter, target: LlamaModel, *, rows: int, co
     graphdef, params = nnx.split(drafter)
     embed = target.weights.embed
     head_w = draft_head_weights(drafter, embed, target.weights.lm_head)  # [D, W]
-    dcache = init_drafter_cache(cfg, rows, window, embed.dtype)
+    dcache = init_drafter_cache(cfg, rows, window)  # float32, as the engine's
     slots = jnp.arange(rows, dtype=jnp.int32)
     ctx_len = jnp.full((rows,), context, jnp.int32)
     anchors = jnp.zeros((rows,), jnp.int32)
@@ -263,7 +263,7 @@ def _write_thunk(drafter: Drafter, *, tokens: int, capacity: int, dtype):
     graphdef, params = nnx.split(drafter)
     taps = jnp.zeros((tokens, cfg.n_taps, cfg.dim), dtype)  # [T, N, D]
     idx = jnp.arange(tokens, dtype=jnp.int32)
-    state = {"cache": init_drafter_cache(cfg, 1, capacity, dtype)}
+    state = {"cache": init_drafter_cache(cfg, 1, capacity)}  # float32, as the engine's
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def run(params, cache):

@@ -72,9 +72,10 @@ def parse_args(argv=None):
                    help="measure only the engine-round overhead of the table at --out, with the shipped drafter's "
                         "shape, and write it back (for tables profiled before it was part of the profile)")
     p.add_argument("--no-host-speed", action="store_true",
-                   help="keep every time as measured (default: each is put at the host's median speed over the "
-                        "profile, from a small reference program timed between measurements, for hosts whose "
-                        "speed drifts)")
+                   help="keep every time as measured (default on a CPU: each is put at the host's median speed "
+                        "over the profile, from a small reference program timed between measurements, for hosts "
+                        "whose speed drifts; on a GPU or TPU times are always kept as measured, the reference "
+                        "program there timing the host's dispatch rather than the device)")
     p.add_argument("--add-plain", action="store_true",
                    help="measure only the plain rounds (no drafts) of the table at --out and write it back "
                         "(for tables profiled before plain rounds were part of the profile)")
@@ -109,14 +110,14 @@ def markdown(table) -> str:
     return "\n".join(lines)
 
 
-def load_target(args):
+def load_target(args, mesh=None):
     from dspark_jax.models.llama import LlamaConfig, init_random_weights
 
     dtype = jnp.dtype(build.parse_dtype(args.dtype))
     if args.tiny:
         cfg = LlamaConfig.tiny()
         return cfg, init_random_weights(cfg, jax.random.key(0), dtype), "tiny-random"
-    model = build.load_target(args.model, dtype=dtype)
+    model = build.load_target(args.model, dtype=dtype, mesh=mesh)  # read on the host, each device its shards
     return model.cfg, model.weights, build.target_name(args.model)
 
 
@@ -155,10 +156,11 @@ def extend_table(args, device, out, extend, report, mesh=None):
     from dspark_jax.sps import load_sps_table
 
     table = load_sps_table(out)
-    cfg, weights, _ = load_target(args)
+    cfg, weights, _ = load_target(args, mesh)
     with jax.default_device(device):
         table = extend(table, placed(weights, cfg, device, mesh), cfg)
-    table.save(out)
+    if jax.process_index() == 0:  # under several processes, one file
+        table.save(out)
     for line in report(table.cost_model):
         print(line)
     print(f"wrote {out}")
@@ -169,7 +171,19 @@ def main(argv=None):
     args = parse_args(argv)
     mesh = mesh_from_args(args)  # first: a multi-process run joins before anything touches JAX
     # Everything that can fail fast fails before anything is loaded or measured.
-    device = measure.select_device(args.backend) if mesh is None else mesh.devices.flat[0]
+    # on a mesh: this process's first device of it (under several processes the mesh's first may be another's)
+    device = measure.select_device(args.backend) if mesh is None else next(
+        d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    host_speed = not args.no_host_speed and device.platform == "cpu"
+    # Several processes run each program together (its collectives span them): every one must time the same
+    # calls the same number of times, so no process's clock may decide how many; only process 0 writes.
+    multi = jax.process_count() > 1
+    writer = jax.process_index() == 0
+    if multi:
+        if args.min_seconds or args.max_seconds:
+            raise ValueError("--min-seconds / --max-seconds: under several processes every process must make the "
+                             "same calls, so the repeats are fixed (--repeats); leave them out")
+        host_speed = False
     out = args.out or DEFAULT_OUT
     if args.out is None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -191,19 +205,19 @@ def main(argv=None):
 
     if args.add_overhead:
         return extend_table(args, device, out,
-                            lambda t, w, c: with_overhead(t, w, c, host_speed=not args.no_host_speed), overhead_lines,
+                            lambda t, w, c: with_overhead(t, w, c, host_speed=host_speed), overhead_lines,
                             mesh)
 
     if args.add_plain:
         def plain(table, weights, cfg):
             return measure.add_plain_rounds(table, weights, cfg, repeats=repeats, max_seconds=args.max_seconds,
-                                              host_speed=not args.no_host_speed, progress=True)
+                                              host_speed=host_speed, progress=True)
 
         return extend_table(args, device, out, plain, lambda cm: [
             f"L={L}: plain round ms " + " ".join(f"R={r}:{1e3 * cm.plain_s[c][i]:.1f}" for i, r in enumerate(cm.rows))
             for c, L in enumerate(cm.context_lengths)], mesh)
 
-    cfg, weights, name = load_target(args)
+    cfg, weights, name = load_target(args, mesh)
     drafter, block = None, args.block
     if args.draft is not None and not args.no_drafter:
         from dspark_jax.models.llama import LlamaModel
@@ -218,11 +232,12 @@ def main(argv=None):
         weights, cfg, model=name, context_lengths=contexts,
         reference_context=args.reference_context, rows=args.rows, diagonal=args.quick, block=block, drafter=drafter,
         window_rule=args.window_rule, with_drafter=not args.no_drafter, round_overhead=False,
-        host_speed=not args.no_host_speed,
+        host_speed=host_speed,
         repeats=repeats, max_seconds=args.max_seconds, device=device,
-        min_seconds=args.min_seconds if args.min_seconds is not None else (0.0 if args.quick else 1.0),
+        min_seconds=args.min_seconds if args.min_seconds is not None else (0.0 if args.quick or multi else 1.0),
         progress=True, extra={"quick": args.quick}, batch_tokens=buckets, mesh=mesh)
-    table.save(out)  # the programs' costs are kept even if the overhead measurement below fails
+    if writer:
+        table.save(out)  # the programs' costs are kept even if the overhead measurement below fails
     drift = table.metadata.extra.get("host_drift")
     if drift:
         print(f"host speed while profiling: the reference program ({table.metadata.extra['host_reference']}) "
@@ -234,13 +249,16 @@ def main(argv=None):
         rows = table.cost_model.rows[:1] if args.quick else None
         with jax.default_device(device):
             table = with_overhead(table, placed(weights, cfg, device, mesh), cfg, rows=rows,
-                                  host_speed=not args.no_host_speed, drafter=drafter)
-        table.save(out)
+                                  host_speed=host_speed, drafter=drafter)
+        if writer:
+            table.save(out)
     print(format_table(curve_rows(table),
                        ["L", "B", "R", "verify_ms", "draft_ms", "overhead_ms", "round_ms", "rounds_per_s",
                         "tokens_per_s"]))
     if args.markdown:
         print(markdown(table))
+    if not writer:
+        return table
     print(f"wrote {out}")
     if png is not None:
         plot_sps(table, png, title="SPS profile")

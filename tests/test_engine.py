@@ -1,6 +1,7 @@
 """The engine: lossless greedy and sampled decoding for every policy, continuous batching, no recompiles."""
 
 import itertools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -496,3 +497,29 @@ def test_each_request_uses_the_sts_set_fitted_nearest_its_temperature(model, dra
     assert seen >= 3
     assert sets.for_temperature(0.8).tolist() == [4.0, 0.25, 1.5, 8.0]
     assert sets.for_temperature(0.2).tolist() == [1.0, 2.0, 0.5, 3.0]
+
+
+def test_engine_checks_its_table_against_its_hardware_mesh_and_size(model, drafter):
+    """An engine built directly (not only through build_engine) refuses a table of another mesh, and warns by
+    name where the table was measured on another backend, device kind or dtype, or stops short of its largest
+    round (slots x (G + 1) tokens)."""
+    from dspark_jax.sps import SPSMetadata, SPSTable
+
+    def table(batch, **meta):
+        return SPSTable.from_arrays(batch, np.linspace(10.0, 4.0, len(batch)), metadata=SPSMetadata(**meta))
+
+    cfg = eng.EngineConfig(num_slots=2, capacity=64)
+    big = list(range(1, 65))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a table of this host, dtype and size: no warning
+        eng.Engine(model, drafter, "dspark", cfg, sps=table(big, backend="cpu", device_kind="cpu", dtype="float32"))
+    with pytest.raises(ValueError, match="--allow-sps-mesh-mismatch"):
+        eng.Engine(model, drafter, "dspark", cfg, sps=table(big, extra={"mesh": {"data": 2, "tensor": 1}}))
+    with pytest.warns(UserWarning, match="mesh"):
+        eng.Engine(model, drafter, "dspark", cfg, sps=table(big, extra={"mesh": {"data": 2, "tensor": 1}}),
+                   allow_sps_mesh_mismatch=True)
+    for field, value in (("backend", "tpu"), ("device_kind", "NVIDIA H100 80GB HBM3"), ("dtype", "bfloat16")):
+        with pytest.warns(UserWarning, match=f"measured with {field}={value!r}"):
+            eng.Engine(model, drafter, "dspark", cfg, sps=table(big, **{field: value}))
+    with pytest.warns(UserWarning, match=r"measured up to 8 verified tokens, but this engine's 2 slots may verify 10 tokens"):
+        eng.Engine(model, drafter, "dspark", cfg, sps=table(list(range(1, 9))))
