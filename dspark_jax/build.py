@@ -36,15 +36,16 @@ __all__ = ["DTYPES", "parse_dtype", "load_target", "LoadedDrafter", "load_drafte
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def parse_dtype(name: str | None) -> Any:
+def parse_dtype(name: str | None, backend: str | None = None) -> Any:
     """A weight dtype by name: ``float32``, ``bfloat16``, ``float16``, or ``auto``/None (bfloat16 on an
-    accelerator, float32 on CPU, where XLA's bfloat16 matrix products are slower than float32's).
+    accelerator, float32 on CPU, where XLA's bfloat16 matrix products are slower than float32's), for
+    ``backend`` (default: JAX's default backend).
 
-    >>> parse_dtype("bfloat16")
-    <class 'jax.numpy.bfloat16'>
+    >>> parse_dtype("bfloat16"), parse_dtype("auto", backend="cpu")
+    (<class 'jax.numpy.bfloat16'>, <class 'jax.numpy.float32'>)
     """
     if name in (None, "auto"):
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        return jnp.float32 if (backend or jax.default_backend()) == "cpu" else jnp.bfloat16
     try:
         return DTYPES[str(name)]
     except KeyError:

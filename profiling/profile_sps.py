@@ -110,10 +110,10 @@ def markdown(table) -> str:
     return "\n".join(lines)
 
 
-def load_target(args, mesh=None):
+def load_target(args, mesh=None, backend=None):
     from dspark_jax.models.llama import LlamaConfig, init_random_weights
 
-    dtype = jnp.dtype(build.parse_dtype(args.dtype))
+    dtype = jnp.dtype(build.parse_dtype(args.dtype, backend))  # "auto": for the device profiled
     if args.tiny:
         cfg = LlamaConfig.tiny()
         return cfg, init_random_weights(cfg, jax.random.key(0), dtype), "tiny-random"
@@ -156,7 +156,14 @@ def extend_table(args, device, out, extend, report, mesh=None):
     from dspark_jax.sps import load_sps_table
 
     table = load_sps_table(out)
-    cfg, weights, _ = load_target(args, mesh)
+    meta, dtype = table.metadata, jnp.dtype(build.parse_dtype(args.dtype, device.platform)).name
+    differ = [f"{k} {have!r} there, {want!r} here" for k, have, want in (
+        ("backend", meta.backend, device.platform), ("device kind", meta.device_kind, device.device_kind),
+        ("dtype", meta.dtype, dtype)) if have not in ("unknown", want)]
+    if differ:
+        raise ValueError(f"{out}: measured elsewhere ({'; '.join(differ)}): adding to it here would mix two "
+                         f"machines' times in one table; profile a new table on this device")
+    cfg, weights, _ = load_target(args, mesh, device.platform)
     with jax.default_device(device):
         table = extend(table, placed(weights, cfg, device, mesh), cfg)
     if jax.process_index() == 0:  # under several processes, one file
@@ -204,9 +211,14 @@ def main(argv=None):
         raise ValueError(f"--reference-context {args.reference_context} must be one of --context-lengths {contexts}")
 
     if args.add_overhead:
-        return extend_table(args, device, out,
-                            lambda t, w, c: with_overhead(t, w, c, host_speed=host_speed), overhead_lines,
-                            mesh)
+        def overhead(table, weights, cfg):
+            from dspark_jax.models.llama import LlamaModel
+
+            drafter = None if args.draft is None else build.load_drafter_for(LlamaModel(cfg, weights),
+                                                                             args.draft).drafter
+            return with_overhead(table, weights, cfg, host_speed=host_speed, drafter=drafter)
+
+        return extend_table(args, device, out, overhead, overhead_lines, mesh)
 
     if args.add_plain:
         def plain(table, weights, cfg):
@@ -217,7 +229,7 @@ def main(argv=None):
             f"L={L}: plain round ms " + " ".join(f"R={r}:{1e3 * cm.plain_s[c][i]:.1f}" for i, r in enumerate(cm.rows))
             for c, L in enumerate(cm.context_lengths)], mesh)
 
-    cfg, weights, name = load_target(args, mesh)
+    cfg, weights, name = load_target(args, mesh, device.platform)
     drafter, block = None, args.block
     if args.draft is not None and not args.no_drafter:
         from dspark_jax.models.llama import LlamaModel

@@ -820,6 +820,13 @@ def test_add_overhead_extends_a_table_in_place(tiny_profile, tmp_path):
         have = {b for t, b in enumerate(cm.batch_tokens) if cm.draft_overhead_s[r][t] is not None}
         assert have == set(measure.overhead_batches(cm, R)) and have
     assert cm.without_overhead() == table.cost_model.without_overhead()
+    # a table measured on other hardware is not extended here: two machines' times would share one table
+    other = tmp_path / "tpu.json"
+    other.write_text(json.dumps({**json.loads(out.read_text()), "metadata": {
+        **json.loads(out.read_text())["metadata"], "backend": "tpu", "device_kind": "TPU v5 lite"}}))
+    for flag in ("--add-overhead", "--add-plain"):
+        with pytest.raises(ValueError, match=r"measured elsewhere \(backend 'tpu' there, 'cpu' here; device kind"):
+            profile_sps.main(["--tiny", flag, "--out", str(other)])
 
 
 # ----------------------------------------------------------------------------------------------------
