@@ -444,6 +444,13 @@ class Engine:
                  config: EngineConfig = EngineConfig(), *, sts_temperatures=None, sps=None,
                  stop_ids: Sequence[int] | None = None, mesh=None, allow_sps_mesh_mismatch: bool = False):
         self.mesh = mesh
+        policy = parse_policy(policy) if isinstance(policy, str) else policy
+        if policy.kind in ("dspark", "dspark-async") and (sps is None or isinstance(sps, SPSTable)):
+            from dspark_jax.sharding import check_table_mesh  # noqa: PLC0415
+
+            sps = default_sps_table() if sps is None else sps
+            # before anything is placed: a table of another mesh prices another machine's rounds
+            check_table_mesh(sps, mesh, allow_mismatch=allow_sps_mesh_mismatch)
         if mesh is not None:  # a placed copy: the caller's target keeps its own arrays
             from dspark_jax.sharding import mesh_fit, place_target_weights  # noqa: PLC0415
 
@@ -458,7 +465,7 @@ class Engine:
             # would run different round programs (drafting or not) with different collectives: the table's
             # times decide alike everywhere.
             self.gate_cfg = dataclasses.replace(self.gate_cfg, calibrate_times=False)
-        self.policy = parse_policy(policy) if isinstance(policy, str) else policy
+        self.policy = policy
         if self.policy.drafts and drafter is None:
             raise ValueError(f"policy {self.policy} needs a drafter; only 'none' runs without one")
         self.drafter = drafter if self.policy.drafts else None
@@ -500,13 +507,8 @@ class Engine:
         if config.window_rule not in ("step", "pow2"):
             raise ValueError(f"window_rule: expected 'step' or 'pow2', got {config.window_rule!r}")
         self.cost = None
-        if self.policy.kind in ("dspark", "dspark-async"):
-            if sps is None:
-                sps = default_sps_table()
+        if self.policy.kind in ("dspark", "dspark-async"):  # sps: a table (checked above) or a dense array
             if isinstance(sps, SPSTable):
-                from dspark_jax.sharding import check_table_mesh  # noqa: PLC0415
-
-                check_table_mesh(sps, mesh, allow_mismatch=allow_sps_mesh_mismatch)
                 device = mesh.devices.flat[0] if mesh is not None else next(iter(target.weights.embed.devices()))
                 sps.check_compatible(drafter=None if self.drafter is None else self.drafter.cfg.to_dict(),
                                      dtype=jnp.dtype(target.weights.embed.dtype).name, backend=device.platform,

@@ -230,9 +230,11 @@ def test_fields_other_clients_send(served, monkeypatch):
         r = post("chat/completions", {"messages": msgs, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(body)), r.text
     for path, body in (("completions", {"prompt": "Hi", "logprobs": 0}), ("completions", {"prompt": "Hi",
-                                                                                          "suffix": "x"})):
-        r = post(path, body)
-        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(body.keys() - {"prompt"})), r.text
+                                                                                          "suffix": "x"}),
+                       ("chat/completions", {"messages": msgs, "logprobs": 2}),
+                       ("chat/completions", {"messages": msgs, "chat_template_kwargs": {"tools": [{"a": 1}]}})):
+        r, param = post(path, body), next(iter(body.keys() - {"prompt", "messages"}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = post("chat/completions", {"messages": [*msgs, {"role": "tool", "content": "42"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.role"
     r = post("chat/completions", {"messages": [{"role": "user", "content": None}]})

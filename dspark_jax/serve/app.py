@@ -14,8 +14,9 @@ name (400, code ``unsupported_parameter``) unless it holds its neutral value: ``
 ``min_tokens``, ``best_of``, ``suffix``, ``functions``, guided decoding, ``continue_final_message``. Fields that
 do not change the answer (``user``, ``metadata``, ...) are ignored. Errors are OpenAI's shape, ``{"error":
 {"message", "type", "param", "code"}}``: 400 for a bad body (bad JSON, a value out of range, a prompt longer than
-the context, a conversation the chat template refuses), 401 without the ``--api-key`` (paths under ``/v1``
-and ``/metrics``; CORS preflights pass), 404 for an unknown model, 429 when the queue is full, 503 when
+the context, a conversation the chat template refuses), 401 without the ``--api-key`` (every path but
+``/health``; ``OPTIONS`` requests, which browsers send as CORS preflights without credentials, pass), 404 for an
+unknown model, 429 when the queue is full, 503 when
 shutting down or after the queue timeout.
 """
 
@@ -94,9 +95,8 @@ class _Sampling(BaseModel):
 
     def unsupported(self) -> str | None:
         """The first field asking for something this server does not do, else None."""
-        if self.logprobs is not None and self.logprobs is not False and (self.logprobs is True
-                                                                         or not self._chat):
-            return "logprobs"  # completions: an integer, 0 included, asks for the chosen tokens' logprobs
+        if (bool(self.logprobs) if self._chat else self.logprobs is not None and self.logprobs is not False):
+            return "logprobs"  # chat: true (or a count); completions: an integer, 0 included, asks for them
         if self.top_logprobs:
             return "top_logprobs"
         if self.echo:
@@ -121,6 +121,10 @@ _NEUTRAL: dict[str, tuple] = {
     "suffix": ("",), "functions": ([],), "function_call": ("none",), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "continue_final_message": (False,),
 }
+
+
+# render_chat_template's own arguments: a chat_template_kwargs key of these names is refused
+_TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "special_tokens", "tools", "documents"})
 
 
 class CompletionRequest(_Sampling):
@@ -481,6 +485,10 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
             if m.name is not None:
                 turn["name"] = m.name
             turns.append(turn)
+        reserved = sorted(set(body.chat_template_kwargs or ()) & _TEMPLATE_ARGUMENTS)
+        if reserved:  # what the request's own fields set (tools are refused above), not template options
+            raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} cannot be set here",
+                           param="chat_template_kwargs")
         try:
             ids = tokenizer.encode_chat(turns, body.add_generation_prompt, **(body.chat_template_kwargs or {}))
         except ValueError as e:  # the template refuses the conversation (ChatTemplateError), or has none
