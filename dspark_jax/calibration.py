@@ -185,9 +185,10 @@ def _fit_checked(conf_logits, accepted, verified, grid, bias_grid):
         i = int(bad[0])
         raise ValueError(f"round {i}: expected 0 <= accepted <= verified <= G = {g}, got accepted {acc[i]}, "
                          f"verified {ver[i]}")
-    if not bool(jnp.all(jnp.isfinite(conf_logits))):
-        i = int(np.flatnonzero(~np.all(np.isfinite(np.asarray(conf_logits)), axis=1))[0])
-        raise ValueError(f"conf_logits: expected finite logits, round {i} holds NaN or inf")
+    finite = np.isfinite(np.asarray(conf_logits)).all(axis=1)  # [N]
+    if not finite.all():
+        raise ValueError(f"conf_logits: expected finite logits, round {int(np.flatnonzero(~finite)[0])} holds NaN "
+                         f"or inf")
     grid = np.asarray(grid, np.float64).ravel()
     if grid.size == 0 or not np.all(np.isfinite(grid) & (grid > 0)):
         raise ValueError(f"grid: expected positive finite temperatures, got {grid.tolist()}")

@@ -513,7 +513,9 @@ class Engine:
                 sps.check_compatible(drafter=None if self.drafter is None else self.drafter.cfg.to_dict(),
                                      dtype=jnp.dtype(target.weights.embed.dtype).name, backend=device.platform,
                                      device_kind=device.device_kind)
-                self._check_table_reach(sps, config.num_slots)
+                rows = None if sps.cost_model is None else max(sps.cost_model.rows)
+                dense = sps.to_dense()
+                self._check_table_reach(len(dense) - 1, rows, config.num_slots)
                 if sps.cost_model is not None:
                     if sps.cost_model.block != self.G or sps.cost_model.window_rule != config.window_rule:
                         raise ValueError(
@@ -521,7 +523,7 @@ class Engine:
                             f"{sps.cost_model.window_rule!r}, but the engine runs block {self.G} with "
                             f"{config.window_rule!r} windows")
                     self.cost = sps.cost_arrays()
-                sps = sps.to_dense()
+                sps = dense
             self.sps = jnp.asarray(np.asarray(sps, np.float32))
             if self.sps.ndim != 1 or not np.all(np.isfinite(np.asarray(self.sps))) or np.any(np.asarray(self.sps) <= 0):
                 raise ValueError("sps: expected a 1-D table of finite, positive steps/s")
@@ -583,12 +585,11 @@ class Engine:
     def _init_gate(self) -> gate.GateState:
         return gate.init(self.gate_cfg, self.cfg.num_slots, self.G, self.cfg.prior_confidence)
 
-    def _check_table_reach(self, table: SPSTable, num_slots: int) -> None:
-        """Warn where the engine's largest round lies beyond what ``table`` measured: rounds of more requests
-        are priced as its largest row count, and no round is scheduled past its largest batch."""
+    def _check_table_reach(self, have: int, rows: int | None, num_slots: int) -> None:
+        """Warn where the engine's largest round lies beyond what its table measured (``have`` verified tokens,
+        ``rows`` requests a round, None: no cost model): rounds of more requests are priced as the largest row
+        count, and no round is scheduled past the largest batch."""
         most = num_slots * (self.G + 1)
-        have = table.to_dense().shape[0] - 1
-        rows = None if table.cost_model is None else max(table.cost_model.rows)
         if most > have or (rows is not None and num_slots > rows):
             warnings.warn(f"SPS table: measured up to {have} verified tokens"
                           + ("" if rows is None else f" and {rows} requests a round")

@@ -48,8 +48,6 @@ def _check(fn: str, draft_tokens, lengths=None, draft_vocab=None, **probs) -> tu
     wants = {"target_probs": "[R, G + 1, V]", "target_logits": "[R, G + 1, V]", "target_tokens": "[R, G + 1]",
              "draft_probs": "[R, G, V]"}
     for name, x in probs.items():
-        if x is None:
-            continue
         rows = g + 1 if name.startswith("target") else g
         if x.ndim != wants[name].count(",") + 1 or tuple(x.shape[:2]) != (r, rows):
             want = wants[name]

@@ -156,10 +156,9 @@ def extend_table(args, device, out, extend, report, mesh=None):
     from dspark_jax.sps import load_sps_table
 
     table = load_sps_table(out)
-    meta, dtype = table.metadata, jnp.dtype(build.parse_dtype(args.dtype, device.platform)).name
-    differ = [f"{k} {have!r} there, {want!r} here" for k, have, want in (
-        ("backend", meta.backend, device.platform), ("device kind", meta.device_kind, device.device_kind),
-        ("dtype", meta.dtype, dtype)) if have not in ("unknown", want)]
+    differ = [f"{name.replace('_', ' ')} {have!r} there, {want!r} here" for name, have, want in
+              table.metadata_mismatches(backend=device.platform, device_kind=device.device_kind,
+                                        dtype=jnp.dtype(build.parse_dtype(args.dtype, device.platform)).name)]
     if differ:
         raise ValueError(f"{out}: measured elsewhere ({'; '.join(differ)}): adding to it here would mix two "
                          f"machines' times in one table; profile a new table on this device")

@@ -54,7 +54,9 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields shared by both endpoints."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Undeclared fields are kept (`model_extra`) so that `unsupported` can refuse those in `_NEUTRAL` that ask for
+    # something; the rest (``user``, ``metadata``, ...) change nothing in the answer and are not read.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None  # omitted: the served model (as vLLM)
     max_tokens: int | None = Field(None, ge=1)
@@ -73,26 +75,6 @@ class _Sampling(BaseModel):
     echo: bool | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
-    # Fields of OpenAI's and vLLM's APIs that change the answer and that this server does not implement: each
-    # is accepted only at its neutral value (`_NEUTRAL`), so a client never gets an answer it did not ask for.
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
-    top_k: Any = None
-    min_p: Any = None
-    min_tokens: Any = None
-    best_of: Any = None
-    suffix: Any = None
-    functions: Any = None
-    function_call: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
-    continue_final_message: Any = None
-
     def unsupported(self) -> str | None:
         """The first field asking for something this server does not do, else None."""
         if (bool(self.logprobs) if self._chat else self.logprobs is not None and self.logprobs is not False):
@@ -105,8 +87,9 @@ class _Sampling(BaseModel):
             return "tools"
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             return "response_format"
+        extra = self.model_extra or {}  # fields this model does not declare, kept to be checked here
         for name, neutral in _NEUTRAL.items():
-            value = getattr(self, name)
+            value = extra.get(name)
             if value is not None and value not in neutral:
                 return name
         return None
@@ -114,7 +97,9 @@ class _Sampling(BaseModel):
     _chat: ClassVar[bool] = False
 
 
-# the values of the refused fields that ask for nothing (what clients send by default)
+# Fields of OpenAI's and vLLM's APIs that change the answer and that this server does not implement, with the
+# values that ask for nothing (what clients send by default): any other value is refused, so a client never gets
+# an answer it did not ask for.
 _NEUTRAL: dict[str, tuple] = {
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "logit_bias": ({},), "top_k": (0, -1), "min_p": (0, 0.0), "min_tokens": (0,), "best_of": (1,),
@@ -170,7 +155,7 @@ class TextStream:
     before the first stop string (text that could begin one is held back until it cannot).
 
     >>> class Chars:  # a stand-in tokenizer: token i is the character chr(i)
-    ...     def stream(self, skip_special=True):
+    ...     def stream(self, skip_special=True, context=()):
     ...         return type("D", (), {"push": lambda self, t: chr(t), "flush": lambda self: ""})()
     >>> s = TextStream(Chars(), stop=["cd"], hidden_ids=())
     >>> s.push([ord(c) for c in "abc"]), s.push([ord("d"), ord("e")]), s.stopped, s.tokens
@@ -178,7 +163,7 @@ class TextStream:
     """
 
     def __init__(self, tokenizer, stop: Sequence[str], hidden_ids: Sequence[int], context: Sequence[int] = ()):
-        self._dec = tokenizer.stream(context=context) if context else tokenizer.stream()
+        self._dec = tokenizer.stream(context=context)
         self._stop = [s for s in stop if s]
         self._hidden = frozenset(int(t) for t in hidden_ids)
         self.text = ""  # the answer's text so far (cut at a stop string)

@@ -269,6 +269,18 @@ class SPSTable:
         return cls.from_json(obj, source=f"SPS table {path}")
 
     # ------------------------------------------------------------------ compatibility
+    def metadata_mismatches(self, *, model: str | None = None, dtype: str | None = None,
+                            backend: str | None = None, device_kind: str | None = None
+                            ) -> list[tuple[str, str, str]]:
+        """``(field, measured, given)`` for each given value the table's metadata records otherwise (``None``
+        skips a field; a field the table records as ``"unknown"`` matches anything)."""
+        out = []
+        for name, want in (("model", model), ("dtype", dtype), ("backend", backend), ("device_kind", device_kind)):
+            have = getattr(self.metadata, name)
+            if want is not None and have not in ("unknown", want):
+                out.append((name, have, want))
+        return out
+
     def check_compatible(self, *, model: str | None = None, dtype: str | None = None,
                          backend: str | None = None, device_kind: str | None = None,
                          block: int | None = None, drafter: dict[str, Any] | None = None) -> list[str]:
@@ -280,11 +292,9 @@ class SPSTable:
         the table was profiled with, where it records one: a deeper or wider drafter makes every drafting
         round dearer than the table says.
         """
-        msgs = []
-        for name, want in (("model", model), ("dtype", dtype), ("backend", backend), ("device_kind", device_kind)):
-            have = getattr(self.metadata, name)
-            if want is not None and have not in ("unknown", want):
-                msgs.append(f"SPS table was measured with {name}={have!r} but is used with {name}={want!r}")
+        msgs = [f"SPS table was measured with {name}={have!r} but is used with {name}={want!r}"
+                for name, have, want in self.metadata_mismatches(model=model, dtype=dtype, backend=backend,
+                                                                 device_kind=device_kind)]
         if block is not None and self.cost_model is not None and self.cost_model.block != block:
             msgs.append(f"SPS table was measured with block={self.cost_model.block} but is used with block={block}")
         have = self.metadata.extra.get("drafter")
