@@ -16,14 +16,17 @@ import numpy as np
 
 from dspark_jax.io import atomic_write_text
 
-__all__ = ["Timing", "time_call", "interleaved", "device_info", "write_json", "format_table", "compile_count"]
+__all__ = ["Timing", "time_call", "interleaved", "device_info", "write_json", "format_table", "compile_count",
+           "compile_seconds"]
 
 _COMPILES = [0]
+_COMPILE_SECONDS = [0.0]
 
 
 def _on_event(event: str, duration: float, **kwargs) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
         _COMPILES[0] += 1
+        _COMPILE_SECONDS[0] += float(duration)
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_event)
@@ -32,6 +35,11 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 def compile_count() -> int:
     """XLA backend compilations so far in this process (differences tell whether a block compiled)."""
     return _COMPILES[0]
+
+
+def compile_seconds() -> float:
+    """Seconds XLA spent compiling so far in this process (backend compilation, as jax reports it)."""
+    return _COMPILE_SECONDS[0]
 
 
 @dataclasses.dataclass(frozen=True)
