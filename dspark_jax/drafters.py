@@ -1,6 +1,7 @@
 """Finding a drafter: the shipped ones by name (``dspark``, ``dflash``), a folder written by
-`models.drafter_files.save_drafter` (with its STS temperatures, ``sts.json`` beside the weights, when present), or a DeepSpec
-DFlash/DSpark checkpoint folder (`dspark_jax.models.deepspec`)."""
+`models.drafter_files.save_drafter` (with its STS temperatures, ``sts.json`` beside the weights, when present), a DeepSpec
+DFlash/DSpark checkpoint folder (`dspark_jax.models.deepspec`) or a vLLM speculators DSpark/DFlash folder
+(`dspark_jax.models.speculators`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from dspark_jax.models.deepspec import (check_drafter_fits, deepspec_drafter_con
 from dspark_jax.models.drafter import Drafter, DrafterConfig
 from dspark_jax.models.llama import default_tap_layers
 from dspark_jax.models.drafter_files import load_drafter
+from dspark_jax.models.speculators import (load_speculators_drafter, speculators_drafter_config,
+                                           speculators_model_type)
 
 SHIPPED = ("dspark", "dflash")
 
@@ -30,22 +33,17 @@ def shipped_dir(name: str) -> Path:
 
 
 def drafter_format(path: str | Path) -> str | None:
-    """``"dspark-jax"`` (a `models.drafter_files.save_drafter` folder), ``"deepspec"`` (a DeepSpec checkpoint) or None."""
+    """``"dspark-jax"`` (a `models.drafter_files.save_drafter` folder), ``"deepspec"`` (a DeepSpec checkpoint),
+    ``"speculators"`` (a config with ``speculators_model_type``: its loader refuses the types it does not read, by
+    name) or None."""
     path = Path(path)
+    if speculators_model_type(path) is not None:
+        return "speculators"
     if is_deepspec_folder(path):
         return "deepspec"
     if (path / "config.json").is_file() and (path / "weights.npz").is_file():
         return "dspark-jax"
     return None
-
-
-def _speculators_type(path: Path) -> str | None:
-    """The ``speculators_model_type`` of a vLLM speculators checkpoint's config, else None."""
-    try:
-        hf = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return hf.get("speculators_model_type") if isinstance(hf, dict) else None
 
 
 def resolve_drafter(spec: str | None = None, *, target_cfg=None, dtype=None
@@ -54,14 +52,17 @@ def resolve_drafter(spec: str | None = None, *, target_cfg=None, dtype=None
     folder).
 
     Args:
-      spec: ``"dspark"`` (default), ``"dflash"``, a `models.drafter_files.save_drafter` folder or a DeepSpec checkpoint folder.
+      spec: ``"dspark"`` (default), ``"dflash"``, a `models.drafter_files.save_drafter` folder, a DeepSpec or a
+        speculators checkpoint folder.
       target_cfg: the target's LlamaConfig, to check that the drafter fits it (width, vocabulary, tapped layers),
         before any weight is read where the format allows.
-      dtype: parameter dtype of a DeepSpec drafter (default float32); our own folders load as float32.
+      dtype: parameter dtype of a DeepSpec or speculators drafter (default float32); our own folders load as
+        float32.
     """
     path, kind = drafter_source(spec)
-    if kind == "deepspec":
-        drafter, meta = load_deepspec_drafter(path, target_cfg, dtype=jnp.float32 if dtype is None else dtype)
+    if kind in ("deepspec", "speculators"):
+        load = load_deepspec_drafter if kind == "deepspec" else load_speculators_drafter
+        drafter, meta = load(path, target_cfg, dtype=jnp.float32 if dtype is None else dtype)
     else:
         drafter, meta = load_drafter(path)
         if target_cfg is not None:
@@ -82,17 +83,13 @@ def drafter_source(spec: str | None = None) -> tuple[Path, str]:
     path = shipped_dir(spec) if spec in SHIPPED else Path(spec)
     kind = drafter_format(path)
     if kind is None:
-        speculators = _speculators_type(path)
-        if speculators is not None:
-            raise ValueError(f"--draft {spec}: {path / 'config.json'} is a vLLM speculators checkpoint "
-                             f"(speculators_model_type {speculators!r}); that format is not read yet: expected "
-                             f"a DeepSpec checkpoint (config.json with target_layer_ids and block_size) or our own")
         if spec in SHIPPED:
             raise ValueError(f"the shipped drafter {spec!r} is missing from this installation ({path}); "
                              f"train one (README, 'Training and calibrating a drafter') or pass --draft PATH")
         raise ValueError(f"--draft {spec}: expected one of {SHIPPED}, a drafter folder with config.json and "
-                         f"weights.npz, or a DeepSpec checkpoint folder (config.json with target_layer_ids and "
-                         f"block_size, and model.safetensors)")
+                         f"weights.npz, a speculators checkpoint folder (config.json with speculators_model_type, "
+                         f"and model.safetensors) or a DeepSpec checkpoint folder (config.json with target_layer_ids "
+                         f"and block_size, and model.safetensors)")
     return path, kind
 
 
@@ -123,6 +120,9 @@ def precheck_for_model(spec: str | None, model: str | Path | None) -> None:
     if kind == "deepspec":
         cfg = deepspec_drafter_config(meta, source)
         check_drafter_fits(cfg, target, source, num_target_layers=meta.get("num_target_layers"))
+    elif kind == "speculators":
+        check_drafter_fits(speculators_drafter_config(meta, source), target, source,
+                           layer_field="aux_hidden_state_layer_ids", layer_offset=1)
     else:
         check_drafter_fits(DrafterConfig.from_dict(meta["config"]), target, source)
 

@@ -42,11 +42,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dspark_jax.io import atomic_folder, read_json_object
@@ -76,35 +78,98 @@ def is_deepspec_folder(path: str | os.PathLike) -> bool:
     return isinstance(hf, dict) and "target_layer_ids" in hf and "block_size" in hf
 
 
-def _field(hf: dict, name: str, source: Path, kind: type | tuple = int, default: Any = KeyError) -> Any:
-    """``hf[name]`` checked to be of ``kind``; a ValueError naming the file and the field otherwise."""
+def config_field(hf: dict, name: str, source: Path, kind: type | tuple = int, default: Any = KeyError, *,
+                 prefix: str = "") -> Any:
+    """``hf[name]`` checked to be of ``kind``; a ValueError naming the file and the field (``prefix + name``, the
+    field's place in a nested config) otherwise. Without ``default`` the field is required."""
     if name not in hf:
         if default is KeyError:
-            raise ValueError(f"{source}: field {name!r} is missing (a DeepSpec drafter config needs it)")
+            raise ValueError(f"{source}: field '{prefix}{name}' is missing (the drafter config needs it)")
         return default
     value = hf[name]
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if isinstance(value, bool) and bool not in kinds:
-        raise ValueError(f"{source}: field {name!r} = {value!r}, expected {kinds[0].__name__}")
+        raise ValueError(f"{source}: field '{prefix}{name}' = {value!r}, expected {kinds[0].__name__}")
     if not isinstance(value, kinds):
-        raise ValueError(f"{source}: field {name!r} = {value!r}, expected {kinds[0].__name__}")
+        raise ValueError(f"{source}: field '{prefix}{name}' = {value!r}, expected {kinds[0].__name__}")
     return value
 
 
-def _rope_theta(hf: dict, source: Path) -> float:
+
+def _rope_theta(hf: dict, source: Path, prefix: str = "") -> float:
     """RoPE base from ``rope_theta`` or ``rope_parameters``; only plain (unscaled) RoPE is supported."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     for name, d in (("rope_parameters", params), ("rope_scaling", scaling)):
         kind = d.get("rope_type", d.get("type", "default")) if isinstance(d, dict) else d
         if kind not in (None, "default"):
-            raise ValueError(f"{source}: field {name!r} asks for RoPE type {kind!r}; only the default "
+            raise ValueError(f"{source}: field '{prefix}{name}' asks for RoPE type {kind!r}; only the default "
                              f"(unscaled) RoPE is supported")
     theta = params.get("rope_theta", hf.get("rope_theta"))
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise ValueError(f"{source}: field 'rope_theta' (or rope_parameters.rope_theta) = {theta!r}, "
+        raise ValueError(f"{source}: field '{prefix}rope_theta' (or rope_parameters.rope_theta) = {theta!r}, "
                          f"expected a positive number")
     return float(theta)
+
+
+def qwen3_layer_fields(hf: dict, source: Path, prefix: str = "") -> dict[str, Any]:
+    """The `DrafterConfig` fields of a Qwen3 decoder-layer config (DeepSpec's whole config, or speculators'
+    ``transformer_layer_config``): width, vocabulary, heads, MLP, RoPE and norm, each checked; bias, another
+    activation than SiLU and sliding-window layers are refused. ``prefix`` names the nested place in messages."""
+    dim = config_field(hf, "hidden_size", source, prefix=prefix)
+    n_heads = config_field(hf, "num_attention_heads", source, prefix=prefix)
+    head_dim = hf.get("head_dim")
+    if head_dim is not None:
+        head_dim = config_field(hf, "head_dim", source, prefix=prefix)
+    if config_field(hf, "attention_bias", source, bool, default=False, prefix=prefix):
+        raise ValueError(f"{source}: field '{prefix}attention_bias' = true; Qwen3 drafter layers have none and "
+                         f"this loader supports none")
+    act = config_field(hf, "hidden_act", source, str, default="silu", prefix=prefix)
+    if act != "silu":
+        raise ValueError(f"{source}: field '{prefix}hidden_act' = {act!r}, expected 'silu'")
+    layer_types = hf.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types) or hf.get("use_sliding_window"):
+        raise ValueError(f"{source}: field '{prefix}layer_types' = {layer_types!r}: only full attention is supported")
+    return dict(dim=dim, vocab_size=config_field(hf, "vocab_size", source, prefix=prefix), n_heads=n_heads,
+                n_kv_heads=config_field(hf, "num_key_value_heads", source, default=n_heads, prefix=prefix),
+                head_dim=dim // n_heads if head_dim is None else head_dim,
+                n_layers=config_field(hf, "num_hidden_layers", source, prefix=prefix),
+                ffn_dim=config_field(hf, "intermediate_size", source, prefix=prefix),
+                rope_base=_rope_theta(hf, source, prefix),
+                norm_eps=float(config_field(hf, "rms_norm_eps", source, (float, int), prefix=prefix)))
+
+
+def check_layer_ids(ids: Any, source: Path, name: str, lowest: int, meaning: str) -> tuple[int, ...]:
+    """A config's list of tapped target layers: a non-empty, strictly increasing list of ints >= ``lowest``
+    (``meaning`` says what the id below it would tap)."""
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{source}: field '{name}' = {ids!r}, expected a non-empty list of layer ids")
+    if any(i < lowest for i in ids):
+        raise ValueError(f"{source}: field '{name}' = {ids!r}: {lowest - 1} ({meaning}) is not a layer this "
+                         f"engine's target can tap; expected ids >= {lowest}")
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ValueError(f"{source}: field '{name}' = {ids!r}, expected strictly increasing ids")
+    return tuple(ids)
+
+
+def sequential_head_fields(hf: dict, source: Path) -> dict[str, Any]:
+    """`DrafterConfig` fields ``head``, ``rank``, ``confidence``, ``confidence_prev`` from the Markov and
+    confidence head fields DeepSpec and speculators share (``markov_rank`` 0: no Markov head)."""
+    rank = config_field(hf, "markov_rank", source)
+    if rank < 0:
+        raise ValueError(f"{source}: field 'markov_rank' = {rank}, expected >= 0 (0: no Markov head)")
+    head = "none"
+    if rank > 0:
+        kind = str(config_field(hf, "markov_head_type", source, str)).lower()
+        if kind not in MARKOV_HEADS:
+            raise ValueError(f"{source}: field 'markov_head_type' = {kind!r}, expected one of "
+                             f"{sorted(MARKOV_HEADS)}")
+        head = MARKOV_HEADS[kind]
+    confidence = config_field(hf, "enable_confidence_head", source, bool)
+    with_markov = bool(config_field(hf, "confidence_head_with_markov", source, bool)) if confidence else False
+    if with_markov and rank == 0:
+        raise ValueError(f"{source}: field 'confidence_head_with_markov' = true needs markov_rank > 0")
+    return dict(head=head, rank=max(rank, 1), confidence=bool(confidence), confidence_prev=with_markov)
 
 
 def deepspec_drafter_config(hf: dict, source: str | os.PathLike = "config.json") -> DrafterConfig:
@@ -133,63 +198,30 @@ def deepspec_drafter_config(hf: dict, source: str | os.PathLike = "config.json")
     if archs is not None and ARCHITECTURE not in archs:
         raise ValueError(f"{src}: field 'architectures' = {archs!r}, expected [{ARCHITECTURE!r}] (only DeepSpec's "
                          f"Qwen3 drafters are supported)")
-    dim = _field(hf, "hidden_size", src)
-    vocab = _field(hf, "vocab_size", src)
-    n_heads = _field(hf, "num_attention_heads", src)
-    n_kv = _field(hf, "num_key_value_heads", src, default=n_heads)
-    head_dim = _field(hf, "head_dim", src, default=None) if hf.get("head_dim") is not None else dim // n_heads
-    if _field(hf, "attention_bias", src, bool, default=False):
-        raise ValueError(f"{src}: field 'attention_bias' = true; DeepSpec's Qwen3 drafters have none and "
-                         f"this loader supports none")
-    act = _field(hf, "hidden_act", src, str, default="silu")
-    if act != "silu":
-        raise ValueError(f"{src}: field 'hidden_act' = {act!r}, expected 'silu'")
-    layer_types = hf.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types) or hf.get("use_sliding_window"):
-        raise ValueError(f"{src}: field 'layer_types' = {layer_types!r}: only full attention is supported")
-    taps = _field(hf, "target_layer_ids", src, list)
-    if not taps or not all(isinstance(i, int) and not isinstance(i, bool) for i in taps):
-        raise ValueError(f"{src}: field 'target_layer_ids' = {taps!r}, expected a non-empty list of layer ids")
-    if any(i < 0 for i in taps):
-        raise ValueError(f"{src}: field 'target_layer_ids' = {taps!r}: -1 (the target's embedding output) is "
-                         f"not a layer this engine's target can tap; expected ids >= 0")
-    if any(b <= a for a, b in zip(taps, taps[1:])):
-        raise ValueError(f"{src}: field 'target_layer_ids' = {taps!r}, expected strictly increasing ids")
-    rank = _field(hf, "markov_rank", src)
-    if rank < 0:
-        raise ValueError(f"{src}: field 'markov_rank' = {rank}, expected >= 0 (0: no Markov head)")
-    head = "none"
-    if rank > 0:
-        kind = str(_field(hf, "markov_head_type", src, str)).lower()
-        if kind not in MARKOV_HEADS:
-            raise ValueError(f"{src}: field 'markov_head_type' = {kind!r}, expected one of {sorted(MARKOV_HEADS)}")
-        head = MARKOV_HEADS[kind]
-    confidence = _field(hf, "enable_confidence_head", src, bool)
-    with_markov = bool(_field(hf, "confidence_head_with_markov", src, bool)) if confidence else False
-    if with_markov and rank == 0:
-        raise ValueError(f"{src}: field 'confidence_head_with_markov' = true needs markov_rank > 0")
-    mask = _field(hf, "mask_token_id", src)
-    if not 0 <= mask < vocab:
-        raise ValueError(f"{src}: field 'mask_token_id' = {mask}, expected a token id in [0, {vocab})")
+    layers = qwen3_layer_fields(hf, src)
+    taps = check_layer_ids(config_field(hf, "target_layer_ids", src, list), src, "target_layer_ids", 0,
+                           "the target's embedding output")
+    heads = sequential_head_fields(hf, src)
+    mask = config_field(hf, "mask_token_id", src)
+    if not 0 <= mask < layers["vocab_size"]:
+        raise ValueError(f"{src}: field 'mask_token_id' = {mask}, expected a token id in [0, {layers['vocab_size']})")
     try:
-        return DrafterConfig(
-            vocab_size=vocab, dim=dim, n_taps=len(taps), n_layers=_field(hf, "num_hidden_layers", src),
-            n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, ffn_dim=_field(hf, "intermediate_size", src),
-            block=_field(hf, "block_size", src), head=head, rank=max(rank, 1), confidence=bool(confidence),
-            rope_base=_rope_theta(hf, src), norm_eps=float(_field(hf, "rms_norm_eps", src, (float, int))),
-            qk_norm=True, mask_token=mask, own_embeddings=True, confidence_prev=with_markov, tap_layers=tuple(taps))
+        return DrafterConfig(**layers, **heads, n_taps=len(taps), block=config_field(hf, "block_size", src), qk_norm=True,
+                             mask_token=mask, own_embeddings=True, tap_layers=taps)
     except ValueError as err:
         raise ValueError(f"{src}: {err}") from err
 
 
 def check_drafter_fits(cfg: DrafterConfig, target_cfg, source: str | os.PathLike, *,
-                       num_target_layers: int | None = None) -> None:
+                       num_target_layers: int | None = None, layer_field: str = "target_layer_ids",
+                       layer_offset: int = 0) -> None:
     """Raise a ValueError naming ``source``, the field and what the target expects when a drafter's width,
     vocabulary or tapped layers do not fit the target (a `LlamaConfig`).
 
     ``tap_layers`` must be layers of the target, below its last one; they need not equal the target's own
     ``tap_layers`` (the engine taps what the drafter reads, `dspark_jax.build`). Without ``tap_layers`` the
-    drafter reads the target's taps, so their number must match.
+    drafter reads the target's taps, so their number must match. Messages name the file's own field for them,
+    ``layer_field``, whose ids are ours plus ``layer_offset``.
     """
     src = str(source)
     if cfg.vocab_size != target_cfg.vocab_size:
@@ -208,66 +240,102 @@ def check_drafter_fits(cfg: DrafterConfig, target_cfg, source: str | os.PathLike
     # DeepSpec's feature for the final layer would be Hugging Face's last hidden state, after the final norm,
     # where our tap is the residual stream before it: the final layer is refused (as DeepSpec's evaluator does).
     top = target_cfg.n_layers - 1 if target_cfg.n_layers > 1 else 1
-    bad = [i for i in cfg.tap_layers if not 0 <= i < top]
+    bad = [i + layer_offset for i in cfg.tap_layers if not 0 <= i < top]
     if bad:
-        raise ValueError(f"{src}: target_layer_ids = {list(cfg.tap_layers)} holds {bad}, but the target has "
-                         f"{target_cfg.n_layers} layers: expected ids in [0, {top}) (never the final layer)")
+        ids = [i + layer_offset for i in cfg.tap_layers]
+        raise ValueError(f"{src}: {layer_field} = {ids} holds {bad}, but the target has {target_cfg.n_layers} "
+                         f"layers: expected ids in [{layer_offset}, {top + layer_offset}) (never the final layer)")
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Tensor map
 
 
-def _t(x):
-    return x.T
+class Tensor(NamedTuple):
+    """A checkpoint tensor: our state path (None: checked, not read), its shape in the file, and whether the file
+    holds it transposed (PyTorch ``Linear`` weights are [out, in]; ours are [in, out])."""
+
+    path: tuple | None
+    shape: tuple[int, ...]
+    transposed: bool = False
 
 
-def _tensor_map(cfg: DrafterConfig) -> dict[str, tuple[tuple, tuple[int, ...], Callable | None]]:
-    """DeepSpec tensor name -> (our state path, DeepSpec shape, transform DeepSpec -> ours or None)."""
-    D, V, r, E = cfg.dim, cfg.vocab_size, cfg.rank, cfg.head_dim
+W1 = "markov_head.markov_w1.weight"
+
+
+def shared_tensor_map(cfg: DrafterConfig) -> dict[str, Tensor]:
+    """The tensors DeepSpec's and vLLM speculators' DFlash / DSpark checkpoints name alike: the context projection
+    and norm, the draft layers, the final norm, the Markov head (``markov_w1`` [V, r], a row per target token;
+    ``markov_w2`` over the draft vocabulary) and the confidence head. The embedding and LM head are each
+    format's own."""
+    D, V, W, r, E = cfg.dim, cfg.vocab_size, cfg.draft_vocab, cfg.rank, cfg.head_dim
     H, K, F, M = cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.n_taps
     out = {
-        "embed_tokens.weight": (("embed",), (V, D), None),
-        "lm_head.weight": (("lm_head",), (V, D), _t),
-        "fc.weight": (("ctx_proj", "kernel"), (D, M * D), _t),
-        "hidden_norm.weight": (("ctx_norm", "scale"), (D,), None),
-        "norm.weight": (("final_norm", "scale"), (D,), None),
+        "fc.weight": Tensor(("ctx_proj", "kernel"), (D, M * D), True),
+        "hidden_norm.weight": Tensor(("ctx_norm", "scale"), (D,)),
+        "norm.weight": Tensor(("final_norm", "scale"), (D,)),
     }
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         out.update({
-            p + "self_attn.q_proj.weight": (("layers", i, "wq", "kernel"), (H * E, D), _t),
-            p + "self_attn.k_proj.weight": (("layers", i, "wk", "kernel"), (K * E, D), _t),
-            p + "self_attn.v_proj.weight": (("layers", i, "wv", "kernel"), (K * E, D), _t),
-            p + "self_attn.o_proj.weight": (("layers", i, "wo", "kernel"), (D, H * E), _t),
-            p + "self_attn.q_norm.weight": (("layers", i, "q_norm", "scale"), (E,), None),
-            p + "self_attn.k_norm.weight": (("layers", i, "k_norm", "scale"), (E,), None),
-            p + "mlp.gate_proj.weight": (("layers", i, "w_gate", "kernel"), (F, D), _t),
-            p + "mlp.up_proj.weight": (("layers", i, "w_up", "kernel"), (F, D), _t),
-            p + "mlp.down_proj.weight": (("layers", i, "w_down", "kernel"), (D, F), _t),
-            p + "input_layernorm.weight": (("layers", i, "attn_norm", "scale"), (D,), None),
-            p + "post_attention_layernorm.weight": (("layers", i, "mlp_norm", "scale"), (D,), None),
+            p + "self_attn.q_proj.weight": Tensor(("layers", i, "wq", "kernel"), (H * E, D), True),
+            p + "self_attn.k_proj.weight": Tensor(("layers", i, "wk", "kernel"), (K * E, D), True),
+            p + "self_attn.v_proj.weight": Tensor(("layers", i, "wv", "kernel"), (K * E, D), True),
+            p + "self_attn.o_proj.weight": Tensor(("layers", i, "wo", "kernel"), (D, H * E), True),
+            p + "self_attn.q_norm.weight": Tensor(("layers", i, "q_norm", "scale"), (E,)),
+            p + "self_attn.k_norm.weight": Tensor(("layers", i, "k_norm", "scale"), (E,)),
+            p + "mlp.gate_proj.weight": Tensor(("layers", i, "w_gate", "kernel"), (F, D), True),
+            p + "mlp.up_proj.weight": Tensor(("layers", i, "w_up", "kernel"), (F, D), True),
+            p + "mlp.down_proj.weight": Tensor(("layers", i, "w_down", "kernel"), (D, F), True),
+            p + "input_layernorm.weight": Tensor(("layers", i, "attn_norm", "scale"), (D,)),
+            p + "post_attention_layernorm.weight": Tensor(("layers", i, "mlp_norm", "scale"), (D,)),
         })
-    if cfg.uses_prev_token:  # our table has one more row (tokens outside a reduced draft vocabulary): zeros
-        out["markov_head.markov_w1.weight"] = (("w1", "embedding"), (V, r),
-                                               lambda w: jnp.concatenate([w, jnp.zeros((1, w.shape[1]), w.dtype)]))
+    if cfg.uses_prev_token:
+        out[W1] = Tensor(("w1", "embedding"), (V, r))  # ours: [W + 1, r], see w1_from_file
     if cfg.head != "none":
-        out["markov_head.markov_w2.weight"] = (("w2", "kernel"), (V, r), _t)
+        out["markov_head.markov_w2.weight"] = Tensor(("w2", "kernel"), (W, r), True)
     if cfg.head == "gated":
-        out["markov_head.gate_proj.weight"] = (("gate", "kernel"), (r, D + r), _t)
-        out["markov_head.gate_proj.bias"] = (("gate", "bias"), (r,), None)
+        out["markov_head.gate_proj.weight"] = Tensor(("gate", "kernel"), (r, D + r), True)
+        out["markov_head.gate_proj.bias"] = Tensor(("gate", "bias"), (r,))
     if cfg.head == "rnn":
-        out["markov_head.joint_proj.weight"] = (("cell", "kernel"), (3 * r, 2 * r + D), _t)
-        out["markov_head.joint_proj.bias"] = (("cell", "bias"), (3 * r,), None)
+        out["markov_head.joint_proj.weight"] = Tensor(("cell", "kernel"), (3 * r, 2 * r + D), True)
+        out["markov_head.joint_proj.bias"] = Tensor(("cell", "bias"), (3 * r,))
     if cfg.confidence:
         width = D + r if cfg.confidence_prev else D
-        out["confidence_head.proj.weight"] = (("conf", "kernel"), (1, width), _t)
-        out["confidence_head.proj.bias"] = (("conf", "bias"), (1,), None)
+        out["confidence_head.proj.weight"] = Tensor(("conf", "kernel"), (1, width), True)
+        out["confidence_head.proj.bias"] = Tensor(("conf", "bias"), (1,))
     return out
 
 
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (one file, or shards listed in the index)."""
+def _deepspec_tensor_map(cfg: DrafterConfig) -> dict[str, Tensor]:
+    """DeepSpec's tensors: the shared ones and the drafter's own embedding and LM head copies."""
+    V, D = cfg.vocab_size, cfg.dim
+    return {"embed_tokens.weight": Tensor(("embed",), (V, D)), "lm_head.weight": Tensor(("lm_head",), (V, D), True),
+            **shared_tensor_map(cfg)}
+
+
+def w1_from_file(w: jax.Array, vocab_ids: np.ndarray, source: str) -> jax.Array:
+    """W1 as checkpoints hold it, [V, r] (a row per target token), as ours, [W + 1, r]: the draft vocabulary's
+    rows, then the one row every token outside it shares (zeros when there is none).
+
+    Raises:
+      ValueError: naming ``source`` when tokens outside the draft vocabulary have different rows, which our
+        table cannot hold.
+    """
+    inside = np.zeros(w.shape[0], bool)
+    inside[vocab_ids] = True
+    if inside.all():
+        return jnp.concatenate([w, jnp.zeros((1, w.shape[1]), w.dtype)])
+    outside = w[np.flatnonzero(~inside)]
+    if not bool(jnp.all(outside == outside[:1])):
+        raise ValueError(f"{source}: the rows of the {int((~inside).sum())} tokens outside the draft vocabulary "
+                         f"differ; this engine's Markov table keeps one row for all of them, so the drafter cannot "
+                         f"be read exactly")
+    return jnp.concatenate([w[vocab_ids], outside[:1]])
+
+
+def weight_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (``model.safetensors``, or shards listed in the index)."""
     from safetensors import safe_open  # noqa: PLC0415
 
     index = folder / INDEX
@@ -288,6 +356,87 @@ def _weight_files(folder: Path) -> dict[str, Path]:
         return {name: path for name in f.keys()}
 
 
+def check_tensor_headers(folder: Path, files: dict[str, Path], shapes: dict[str, tuple[int, ...]], *,
+                         source: Path, hint: str) -> None:
+    """Check, from the safetensors headers alone, that every tensor named in ``shapes`` is in ``files``
+    (`weight_files`) with that shape. Raises a ValueError naming the folder or file, the tensor and the shape
+    expected (``hint``: which config fields decide which tensors exist)."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    missing = [name for name in shapes if name not in files]
+    if missing:
+        raise ValueError(f"{folder}: the weights lack {missing[:5]} (config.json and the weights disagree: {hint})")
+    for path in sorted({files[n] for n in shapes}, key=str):
+        with safe_open(str(path), framework="flax") as f:
+            for name in (n for n in shapes if files[n] == path):
+                have = tuple(f.get_slice(name).get_shape())
+                if have != tuple(shapes[name]):
+                    raise ValueError(f"{path}: tensor {name!r} has shape {list(have)}, expected "
+                                     f"{list(shapes[name])} (from {source})")
+
+
+def read_drafter(folder: Path, cfg: DrafterConfig, tensors: dict[str, Tensor], *, source: Path, dtype: Any,
+                 hint: str, vocab_ids: np.ndarray | None = None) -> Drafter:
+    """A `Drafter` of ``cfg`` with its parameters read from a safetensors checkpoint folder, tensor by tensor,
+    after every tensor's name and shape was checked from the headers (`check_tensor_headers`).
+
+    Args:
+      folder: the checkpoint folder; cfg: the drafter's config.
+      tensors: file name -> `Tensor`: every parameter of the drafter but the draft vocabulary maps.
+      source: the config file, for messages; dtype: the parameters' dtype; hint: for a missing tensor.
+      vocab_ids: [W] the draft vocabulary's token ids (default: the whole vocabulary).
+    Returns:
+      the drafter.
+    """
+    from safetensors import safe_open  # noqa: PLC0415
+
+    files = weight_files(folder)
+    check_tensor_headers(folder, files, {n: t.shape for n, t in tensors.items()}, source=source, hint=hint)
+    ids = np.arange(cfg.vocab_size, dtype=np.int32) if vocab_ids is None else np.asarray(vocab_ids, np.int32)
+    abstract = nnx.eval_shape(lambda: Drafter(cfg, rngs=nnx.Rngs(0), vocab_ids=ids))
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    values = {}
+    with contextlib.ExitStack() as stack:
+        handles = {path: stack.enter_context(safe_open(str(path), framework="flax"))
+                   for path in sorted({files[n] for n in tensors}, key=str)}
+        for name, t in tensors.items():
+            if t.path is None:
+                continue
+            arr = handles[files[name]].get_tensor(name)
+            if name == W1:
+                arr = w1_from_file(arr, ids, f"{files[name]}: tensor {name!r}")
+            elif t.transposed:
+                arr = arr.T
+            values[t.path] = arr.astype(dtype)
+    to_draft = np.full(cfg.vocab_size, len(ids), np.int32)  # W: "not in the draft vocabulary"
+    to_draft[ids] = np.arange(len(ids), dtype=np.int32)
+    values[("vocab_ids",)] = jnp.asarray(ids)
+    values[("to_draft",)] = jnp.asarray(to_draft)
+    unset = [p for p in flat if p not in values]
+    if unset:  # a bug in the map, not in the file
+        raise AssertionError(f"tensor map leaves {unset} unset")
+    for path, var in flat.items():
+        var.set_value(values[path])
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def file_tensors(drafter: Drafter, tensors: dict[str, Tensor], dtype: Any = None) -> dict[str, np.ndarray]:
+    """The drafter's parameters under a checkpoint's names and layouts (``tensors``, every path ours): the
+    inverse of `read_drafter`, as NumPy arrays in ``dtype`` (default: the parameters')."""
+    flat = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(drafter))}
+    out = {}
+    for name, t in tensors.items():
+        arr = flat[t.path]
+        if name == W1:  # ours [W + 1, r] -> a row per target token
+            arr = arr[drafter.to_draft[...]]
+        elif t.transposed:
+            arr = arr.T
+        assert tuple(arr.shape) == t.shape, (name, arr.shape, t.shape)
+        out[name] = np.asarray(jnp.asarray(arr, dtype or arr.dtype))
+    return out
+
+
 def load_deepspec_drafter(folder: str | os.PathLike, target_cfg=None, *, dtype: Any = jnp.float32
                           ) -> tuple[Drafter, dict[str, Any]]:
     """Load a DeepSpec DFlash or DSpark drafter folder (``save_pretrained`` of ``Qwen3DSparkModel``).
@@ -306,8 +455,6 @@ def load_deepspec_drafter(folder: str | os.PathLike, target_cfg=None, *, dtype: 
     Raises:
       ValueError: naming the file, the field or tensor, and what was expected.
     """
-    from safetensors import safe_open  # noqa: PLC0415
-
     folder = Path(folder)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
@@ -316,48 +463,39 @@ def load_deepspec_drafter(folder: str | os.PathLike, target_cfg=None, *, dtype: 
     cfg = deepspec_drafter_config(hf, cfg_path)
     if target_cfg is not None:
         check_drafter_fits(cfg, target_cfg, cfg_path, num_target_layers=hf.get("num_target_layers"))
-    tensors = _tensor_map(cfg)
-    files = _weight_files(folder)
-    missing = [name for name in tensors if name not in files]
-    if missing:
-        raise ValueError(f"{folder}: the weights lack {missing[:5]} (config.json and the weights disagree: "
-                         f"markov_rank, markov_head_type, enable_confidence_head, confidence_head_with_markov, "
-                         f"num_hidden_layers)")
-    with contextlib.ExitStack() as stack:
-        handles = {path: stack.enter_context(safe_open(str(path), framework="flax"))
-                   for path in sorted(set(files[n] for n in tensors))}
-        for name, (_, shape, _) in tensors.items():
-            have = tuple(handles[files[name]].get_slice(name).get_shape())
-            if have != shape:
-                raise ValueError(f"{files[name]}: tensor {name!r} has shape {list(have)}, expected {list(shape)} "
-                                 f"(from {cfg_path})")
-        abstract = nnx.eval_shape(lambda: Drafter(cfg, rngs=nnx.Rngs(0)))
-        graphdef, state = nnx.split(abstract)
-        flat = dict(nnx.to_flat_state(state))
-        values = {}
-        for name, (path, _, fn) in tensors.items():
-            arr = handles[files[name]].get_tensor(name)
-            values[path] = (fn(arr) if fn is not None else arr).astype(dtype)
-    ids = jnp.arange(cfg.vocab_size, dtype=jnp.int32)
-    values[("vocab_ids",)] = ids
-    values[("to_draft",)] = ids
-    unset = [p for p in flat if p not in values]
-    if unset:  # a bug in the map, not in the file
-        raise AssertionError(f"tensor map leaves {unset} unset")
-    for path, var in flat.items():
-        var.set_value(values[path])
-    state = nnx.from_flat_state(flat)
-    drafter = nnx.merge(graphdef, state)
-    meta = {"format": "deepspec", "source": str(folder), "config": hf}
-    return drafter, meta
+    drafter = read_drafter(folder, cfg, _deepspec_tensor_map(cfg), source=cfg_path, dtype=dtype,
+                           hint="markov_rank, markov_head_type, enable_confidence_head, confidence_head_with_markov, "
+                                "num_hidden_layers")
+    return drafter, {"format": "deepspec", "source": str(folder), "config": hf}
+
+
+def deepspec_refusals(cfg: DrafterConfig, *, mask_token_id: int | None = None) -> list[str]:
+    """What a DeepSpec ``Qwen3DSparkModel`` folder cannot express of a drafter's config, one sentence each
+    (empty: it can be written exactly)."""
+    out = []
+    if not cfg.qk_norm:
+        out.append("DeepSpec's Qwen3 layers normalise queries and keys; this drafter has qk_norm=False")
+    if cfg.tap_norm:
+        out.append("DeepSpec drafters project the raw tapped layers; this drafter normalises each tap first "
+                   "(tap_norm=True)")
+    if cfg.draft_vocab != cfg.vocab_size:
+        out.append(f"DeepSpec drafters propose from the full vocabulary; this drafter has a reduced draft "
+                   f"vocabulary of {cfg.draft_vocab} of {cfg.vocab_size} tokens")
+    if cfg.mask_token is None and (mask_token_id is None or not 0 <= int(mask_token_id) < cfg.vocab_size):
+        out.append(f"the drafter has a learned mask vector; mask_token_id: expected an unused token id in "
+                   f"[0, {cfg.vocab_size}) to hold it, got {mask_token_id!r}")
+    if cfg.confidence and cfg.confidence_prev and cfg.head == "none":
+        out.append("a confidence head reading W1 needs a Markov head in DeepSpec (markov_rank > 0); this drafter "
+                   "has none")
+    return out
 
 
 def save_deepspec_drafter(drafter: Drafter, folder: str | os.PathLike, *, embed: jax.Array | None = None,
                           lm_head: jax.Array | None = None, mask_token_id: int | None = None,
                           target_layer_ids: tuple[int, ...] | None = None, num_target_layers: int | None = None,
-                          dtype: Any = None) -> Path:
+                          dtype: Any = None, attach: Sequence[str | os.PathLike] = ()) -> Path:
     """Write a drafter as a DeepSpec ``Qwen3DSparkModel`` folder (``config.json`` + ``model.safetensors``),
-    atomically, where the architectures allow it.
+    atomically, where the architectures allow it (`deepspec_refusals`).
 
     DeepSpec's layers always normalise queries and keys (``qk_norm``) and propose from the full vocabulary, so
     a drafter without QK-norm or with a reduced draft vocabulary cannot be written exactly and is refused.
@@ -372,68 +510,36 @@ def save_deepspec_drafter(drafter: Drafter, folder: str | os.PathLike, *, embed:
       target_layer_ids: the target layers it reads, when its config does not record them.
       num_target_layers: recorded in the config when given.
       dtype: the stored dtype (default: the parameters').
+      attach: files copied beside the weights under their own names (``sts.json``, ``calibration.json``: the
+        format has no place for them).
     Returns:
       the folder.
     Raises:
       ValueError: naming what the architectures cannot express.
     """
-    from safetensors.flax import save_file  # noqa: PLC0415
-
     cfg = drafter.cfg
     folder = Path(folder)
-    if not cfg.qk_norm:
-        raise ValueError("save_deepspec_drafter: DeepSpec's Qwen3 layers normalise queries and keys; this drafter "
-                         "has qk_norm=False, which they cannot express")
-    if cfg.tap_norm:
-        raise ValueError("save_deepspec_drafter: DeepSpec drafters project the raw tapped layers; this drafter "
-                         "normalises each tap first (tap_norm=True), which they cannot express")
-    if cfg.draft_vocab != cfg.vocab_size:
-        raise ValueError(f"save_deepspec_drafter: DeepSpec drafters propose from the full vocabulary; this drafter "
-                         f"has a reduced draft vocabulary of {cfg.draft_vocab} of {cfg.vocab_size} tokens")
+    refusals = deepspec_refusals(cfg, mask_token_id=mask_token_id)
+    if refusals:
+        raise ValueError("save_deepspec_drafter: " + "; ".join(refusals))
     taps = cfg.tap_layers if target_layer_ids is None else tuple(int(i) for i in target_layer_ids)
     if taps is None or len(taps) != cfg.n_taps:
         raise ValueError(f"save_deepspec_drafter: target_layer_ids: expected the {cfg.n_taps} target layers the "
                          f"drafter reads (its config records none)")
     if cfg.own_embeddings:
         emb, head = drafter.embed[...], drafter.lm_head[...]
-    else:
-        if embed is None:
-            raise ValueError("save_deepspec_drafter: the drafter shares the target's embedding and LM head; pass "
-                             "embed= (and lm_head= unless tied)")
-        emb, head = jnp.asarray(embed), jnp.asarray(embed).T if lm_head is None else jnp.asarray(lm_head)
-    if emb.shape != (cfg.vocab_size, cfg.dim) or head.shape != (cfg.dim, cfg.vocab_size):
-        raise ValueError(f"save_deepspec_drafter: embed {emb.shape} / lm_head {head.shape}: expected "
-                         f"({cfg.vocab_size}, {cfg.dim}) / ({cfg.dim}, {cfg.vocab_size})")
+    else:  # the drafter shares the target's
+        emb, head = target_embedding_and_head(cfg, embed, lm_head, "save_deepspec_drafter")
     mask = cfg.mask_token
     if mask is None:
-        if mask_token_id is None or not 0 <= int(mask_token_id) < cfg.vocab_size:
-            raise ValueError(f"save_deepspec_drafter: the drafter has a learned mask vector; mask_token_id: "
-                             f"expected an unused token id in [0, {cfg.vocab_size}) to hold it, got {mask_token_id!r}")
         mask = int(mask_token_id)
         emb = emb.at[mask].set(drafter.mask_embed[...].astype(emb.dtype))
-    flat = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(drafter))}
-    tensors = {}
-    for name, (path, shape, fn) in _tensor_map(cfg).items():
-        if path == ("embed",):
-            arr = emb
-        elif path == ("lm_head",):
-            arr = head.T
-        elif path == ("w1", "embedding"):
-            arr = flat[path][: cfg.vocab_size]
-        else:
-            arr = flat[path]
-            arr = arr.T if fn is _t else arr
-        assert tuple(arr.shape) == shape, (name, arr.shape, shape)
-        tensors[name] = jnp.asarray(arr, dtype or arr.dtype)
-    store = jnp.dtype(dtype or flat[("ctx_proj", "kernel")].dtype)
+    store = jnp.dtype(dtype or drafter.ctx_proj.kernel[...].dtype)
+    tensors = file_tensors(drafter, shared_tensor_map(cfg), store)
+    tensors["embed_tokens.weight"] = np.asarray(emb.astype(store))
+    tensors["lm_head.weight"] = np.asarray(head.T.astype(store))
     hf = {
-        "architectures": [ARCHITECTURE], "model_type": "qwen3",
-        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_base, "rope_parameters": {"rope_theta": cfg.rope_base, "rope_type": "default"},
-        "vocab_size": cfg.vocab_size, "tie_word_embeddings": False, "max_position_embeddings": 40960,
-        "layer_types": ["full_attention"] * cfg.n_layers, "use_sliding_window": False, "sliding_window": None,
+        "architectures": [ARCHITECTURE], "model_type": "qwen3", **qwen3_config(cfg),
         "block_size": cfg.block, "mask_token_id": mask, "target_layer_ids": list(taps), "num_anchors": 512,
         "markov_rank": 0 if cfg.head == "none" else cfg.rank,
         "enable_confidence_head": cfg.confidence, "dtype": str(store), "torch_dtype": str(store),
@@ -442,12 +548,56 @@ def save_deepspec_drafter(drafter: Drafter, folder: str | os.PathLike, *, embed:
         hf["markov_head_type"] = {v: k for k, v in MARKOV_HEADS.items()}[cfg.head]
     if cfg.confidence:
         hf["confidence_head_with_markov"] = cfg.confidence_prev
-        if cfg.confidence_prev and cfg.head == "none":
-            raise ValueError("save_deepspec_drafter: a confidence head reading W1 needs a Markov head in DeepSpec "
-                             "(markov_rank > 0); this drafter has none")
     if num_target_layers is not None:
         hf["num_target_layers"] = int(num_target_layers)
+    write_checkpoint(folder, tensors, hf, attach)
+    return folder
+
+
+def write_checkpoint(folder: Path, tensors: dict[str, np.ndarray], config: dict[str, Any],
+                     attach: Sequence[str | os.PathLike] = ()) -> None:
+    """Write ``model.safetensors`` and ``config.json`` (and copies of the ``attach`` files) into ``folder``,
+    atomically: it is either the old folder or the complete new one."""
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    attach = [Path(f) for f in attach]
+    for f in attach:
+        if f.name in ("config.json", WEIGHTS):
+            raise ValueError(f"attach: {f} would overwrite the checkpoint's own {f.name}")
     with atomic_folder(folder) as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    return folder
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in attach:
+            shutil.copyfile(f, tmp / f.name)
+
+
+def qwen3_config(cfg: DrafterConfig) -> dict[str, Any]:
+    """The Qwen3 config fields of a drafter's layers, as DeepSpec's config and speculators'
+    ``transformer_layer_config`` write them."""
+    return {
+        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_base, "rope_parameters": {"rope_theta": cfg.rope_base, "rope_type": "default"},
+        "vocab_size": cfg.vocab_size, "tie_word_embeddings": False, "max_position_embeddings": 40960,
+        "layer_types": ["full_attention"] * cfg.n_layers, "use_sliding_window": False, "sliding_window": None,
+    }
+
+
+def target_embedding_and_head(cfg: DrafterConfig, embed: jax.Array | None, lm_head: jax.Array | None, who: str
+                              ) -> tuple[jax.Array, jax.Array]:
+    """The target's embedding [V, D] and LM head [D, V] (``lm_head`` None: tied, ``embed.T``), checked against
+    the drafter's config.
+
+    Raises:
+      ValueError: (``who``: the caller, for the message) ``embed`` not given, or either misshaped.
+    """
+    if embed is None:
+        raise ValueError(f"{who}: the target's embedding and LM head are needed here; pass embed= (and lm_head= "
+                         f"unless tied)")
+    emb = jnp.asarray(embed)
+    head = emb.T if lm_head is None else jnp.asarray(lm_head)
+    if emb.shape != (cfg.vocab_size, cfg.dim) or head.shape != (cfg.dim, cfg.vocab_size):
+        raise ValueError(f"{who}: embed {emb.shape} / lm_head {head.shape}: expected "
+                         f"({cfg.vocab_size}, {cfg.dim}) / ({cfg.dim}, {cfg.vocab_size})")
+    return emb, head
