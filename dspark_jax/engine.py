@@ -63,11 +63,14 @@ from dspark_jax import calibration, gate, scheduler, verify
 from dspark_jax.sampling import categorical, effective_temperature, safe_log
 from dspark_jax.sps import SPSTable, context_window, default_sps_table, plain_sps_from_cost, sps_from_cost
 from dspark_jax.timing import compile_count
+from dspark_jax.cache.pages import PagePool, pages_for
 from dspark_jax.models import drafter as dr
 from dspark_jax.models.llama import (
     BUCKETS,
     CONTEXT_STEP,
     LlamaModel,
+    PagedKVCache,
+    init_paged_cache,
     bucket_for,
     commit,
     first_argmax,
@@ -204,15 +207,48 @@ class EngineConfig:
     # Attention windows over the caches: "step" = multiples of 128 (reads little beyond the context held),
     # "pow2" = powers of two (fewer shapes to compile). SPS cost models record the rule they were profiled with.
     window_rule: str = "step"
+    # Where the KV caches live. "pages": a page pool per layer (target and drafter, one block table) that requests
+    # take pages from as their tokens are written and give back when they end, read by the ragged paged
+    # attention kernels (`dspark_jax.kernels`); "slots": one dense run of ``capacity`` positions per slot, read in
+    # place (XLA:CPU's gather of pages costs several times the attention's own read); "auto": "pages" on a single
+    # GPU or TPU, "slots" on a CPU or a device mesh.
+    kv_layout: str = "auto"
+    # Tokens per page (vLLM's ``block_size``): the unit of allocation, and of the slot layout's accounting.
+    block_size: int = 16
+    # Pages in the pool ("pages" layout); None: enough for every slot at full capacity. `cache.plan.plan_memory`
+    # sizes it from a device's memory (``gpu_memory_utilization``).
+    num_pages: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "temperature", _checked_temperature(self.temperature))
+        if self.kv_layout not in ("auto", "pages", "slots"):
+            raise ValueError(f"kv_layout: expected 'auto', 'pages' or 'slots', got {self.kv_layout!r}")
+        if not (isinstance(self.block_size, (int, np.integer)) and self.block_size >= 1):
+            raise ValueError(f"block_size: expected an integer >= 1, got {self.block_size!r}")
+        if self.num_pages is not None and not (isinstance(self.num_pages, (int, np.integer)) and self.num_pages >= 1):
+            raise ValueError(f"num_pages: expected None or an integer >= 1, got {self.num_pages!r}")
         try:
             self.gate_config()
         except ValueError as err:  # name the field the caller set
             field, _, rest = str(err).partition(":")
             names = {g: e for e, g in _GATE_FIELDS.items()}
             raise ValueError(f"{names.get(field, field)}:{rest}") from None
+
+    @property
+    def max_num_seqs(self) -> int:
+        """vLLM's name of ``num_slots``: requests decoded together."""
+        return self.num_slots
+
+    @property
+    def max_model_len(self) -> int:
+        """vLLM's name of ``capacity``: the most positions one request holds (prompt, answer and a block)."""
+        return self.capacity
+
+    def layout_for(self, device_platform: str, mesh_devices: int) -> str:
+        """The KV layout ``kv_layout`` resolves to on a platform ("cpu", "gpu", "tpu") and device count."""
+        if self.kv_layout != "auto":
+            return self.kv_layout
+        return "pages" if device_platform in ("gpu", "tpu", "cuda", "rocm") and mesh_devices <= 1 else "slots"
 
     def gate_config(self) -> gate.GateConfig:
         """The drafter gate's settings (`gate.GateConfig`) from these fields.
@@ -529,6 +565,21 @@ class Engine:
                 raise ValueError("sps: expected a 1-D table of finite, positive steps/s")
         else:
             self.sps = jnp.ones((2,), jnp.float32)
+        # The KV layout and the page pool's host side (`cache.pages`): pages of either layout are counted the
+        # same way; the slot layout's are fixed per slot (its cache is dense).
+        device = mesh.devices.flat[0] if mesh is not None else next(iter(target.weights.embed.devices()))
+        self.kv_layout = config.layout_for(device.platform, 1 if mesh is None else mesh.devices.size)
+        if self.kv_layout == "pages" and mesh is not None and mesh.devices.size > 1:
+            raise ValueError("kv_layout 'pages' runs on one device; a device mesh uses kv_layout 'slots'")
+        per_slot_pages = pages_for(config.capacity, config.block_size)
+        contiguous = self.kv_layout == "slots"
+        num_pages = S * per_slot_pages if contiguous or config.num_pages is None else config.num_pages
+        self.pages = PagePool(num_pages=num_pages, page_size=config.block_size, num_slots=S,
+                              pages_per_slot=per_slot_pages, contiguous=contiguous)
+        self._tables_version = self.pages.version
+        # Kernels read each request's own pages: on an accelerator the target's programs need no attention
+        # window (one program for every context); the CPU's XLA path gathers up to a window.
+        self._target_windows = self.kv_layout == "slots" or device.platform == "cpu"
         state = self._init_state()
         if mesh is not None:
             from dspark_jax.sharding import place  # noqa: PLC0415
@@ -599,8 +650,17 @@ class Engine:
 
     def _init_state(self) -> EngineState:
         c, S = self.cfg, self.cfg.num_slots
-        cache = self.target.init_cache(S, c.capacity)
-        dcache = dr.init_drafter_cache(self.drafter.cfg, S, c.capacity) if self.drafter is not None else None
+        if self.kv_layout == "pages":
+            pool = self.pages
+            cache = init_paged_cache(self.target.cfg, S, num_pages=pool.num_pages, page_size=pool.page_size,
+                                     pages_per_slot=pool.pages_per_slot, dtype=self.target.dtype,
+                                     block_tables=pool.block_tables)
+            dcache = (dr.init_paged_drafter_cache(self.drafter.cfg, pool.num_pages, pool.page_size, cache.dtype)
+                      if self.drafter is not None else None)
+        else:
+            cache = self.target.init_cache(S, c.capacity)
+            # the drafter's context in the target's cache dtype (bf16 on accelerators)
+            dcache = dr.init_drafter_cache(self.drafter.cfg, S, c.capacity, cache.dtype) if self.drafter is not None else None
         return EngineState(
             cache=cache, dcache=dcache, anchor=jnp.zeros(S, jnp.int32), active=jnp.zeros(S, bool),
             request=jnp.zeros(S, jnp.int32), generated=jnp.zeros(S, jnp.int32), max_new=jnp.zeros(S, jnp.int32),
@@ -608,6 +668,20 @@ class Engine:
             top_p=jnp.ones(S, jnp.float32), eos_stops=jnp.ones(S, bool),
             conf_hist=jnp.full((2, S, self.G), c.prior_confidence, jnp.float32), gate=self._init_gate(),
         )
+
+    def _sync_block_tables(self) -> None:
+        """Give the device the host's block tables when an allocation changed them ("pages" layout)."""
+        if self.pages.version != self._tables_version:
+            tables = jnp.asarray(self.pages.block_tables)
+            self.state = self.state.replace(cache=self.state.cache.replace(block_tables=tables))
+            self._tables_version = self.pages.version
+
+    def _verify_window(self, longest: int) -> int:
+        """The verification's attention window when the round's longest request holds ``longest`` tokens: the
+        window rule's on the CPU, the capacity where kernels read each request's own pages."""
+        if not self._target_windows:
+            return self.cfg.capacity
+        return _window(longest + self.G + 1, self.cfg.capacity, self.cfg.window_rule)
 
     # ------------------------------------------------------------------------------------------------ requests
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None) -> int:
@@ -633,6 +707,10 @@ class Engine:
         if need > self.cfg.capacity:
             raise ValueError(f"request needs {need} cache positions (prompt {len(prompt_ids)} + max_new_tokens "
                              f"{max_new_tokens} + block {self.G + 1}) but the slot capacity is {self.cfg.capacity}")
+        if not self.pages.fits(need):
+            raise ValueError(f"request needs {pages_for(need, self.pages.page_size)} pages of {self.pages.page_size} "
+                             f"tokens (prompt {len(prompt_ids)} + max_new_tokens {max_new_tokens} + block "
+                             f"{self.G + 1}) but the pool has {self.pages.num_pages}: raise num_pages")
         rid = self.next_id
         self.next_id += 1
         self.requests[rid] = Completion(rid, prompt_ids, [], False)
@@ -672,6 +750,7 @@ class Engine:
     def _release(self, slot: int) -> None:
         """Free ``slot`` (host mirror and device state); its cache rows are overwritten by the next admission."""
         self.slot_request[slot] = -1
+        self.pages.release(slot)
         self.state = _free_slot(self.state, jnp.int32(slot))
 
     def _forget_stops(self, rid: int) -> None:
@@ -706,7 +785,10 @@ class Engine:
         load = int((self.slot_request >= 0).sum()) + min(len(free), len(self.pending))  # once these have joined
         while free and self.pending:
             s = free[0]
-            rid, prompt, max_new, sampling = self.pending.popleft()
+            rid, prompt, max_new, sampling = self.pending[0]
+            if not self.pages.reserve(s, len(prompt) + max_new + self.G + 1):
+                break  # waits, first in first out, for pages a finishing request gives back
+            self.pending.popleft()
             context = self._admission_context(load)
             first, done = self._prefill(s, rid, prompt, max_new, sampling, context=context)
             if self.drafter is not None:
@@ -714,6 +796,7 @@ class Engine:
             self._emit(rid, [first])
             emitted += 1
             if done:
+                self.pages.release(s)
                 self.requests[rid].finished_by_stop = self._eos_ends(rid, first) or (
                     self._stop_cut(rid, [first]) is not None)
                 self._forget_stops(rid)
@@ -747,6 +830,8 @@ class Engine:
                  *, context: bool = True) -> tuple[int, bool]:
         """Chunked prefill of the prompt into ``slot`` (target cache and, with ``context``, the drafter's);
         first token."""
+        self.pages.ensure(slot, len(prompt))
+        self._sync_block_tables()
         st = self.state
         temp, top_p, seed, key_id = self._row_sampling(rid, sampling or SamplingParams())
         logits, cache, dcache = self._prefill_caches(st.cache, st.dcache, slot, prompt,
@@ -771,7 +856,7 @@ class Engine:
                                             jnp.int32(take), self.target.cfg, self._min_rows > 1)
             if write_context:
                 dcache = _write_chunk_context(self.d_graph, self.d_state, dcache, extras.taps, jnp.int32(slot),
-                                              jnp.int32(done), jnp.int32(take))
+                                              jnp.int32(done), jnp.int32(take), _block_tables(cache))
             done += take
         return logits, cache, dcache
 
@@ -791,12 +876,14 @@ class Engine:
             if sampled and self.greedy:
                 self._prefill(0, 0, [1] * min(size, max_prompt_tokens), 1, SamplingParams(temperature=1.0))
         self.state = _free_slot(self.state, jnp.int32(0))
+        self.pages.release(0)
+        self._sync_block_tables()
         modes = [self.greedy] + ([False] if sampled and self.greedy else [])
         drafting = self.drafter is not None
         shapes = 0
         longest = range(1, cap + 1)  # contexts grow during decoding: every window up to the capacity
         rule = self.cfg.window_rule
-        windows = sorted({_window(n + G + 1, cap, rule) for n in longest})
+        windows = sorted({self._verify_window(n) for n in longest})
         draft_windows = sorted({_window(n, cap, rule) for n in longest})
         scale = jnp.ones((2,), jnp.float32)
         for greedy in modes:
@@ -859,9 +946,12 @@ class Engine:
             return None
         t_round = time.perf_counter()
         S, G = self.cfg.num_slots, self.G
+        for s in active_slots:  # pages for what this round may write: the anchor and up to G drafts
+            self.pages.ensure(int(s), min(int(self.slot_length[s]) + G + 1, self.cfg.capacity))
+        self._sync_block_tables()
         R = max(_pow2(n, S), self._min_rows)
         longest = int(self.slot_length[active_slots].max())
-        window = _window(longest + G + 1, self.cfg.capacity, self.cfg.window_rule)
+        window = self._verify_window(longest)
         greedy = bool(self.slot_greedy[active_slots].all())  # else each row accepts by its own rule
         # The drafter's context: every active request has it (the gate decides), none has it (plain decoding's
         # own programs: nothing of the drafter runs) or some have it (the drafter waits, contexts are written).
@@ -924,6 +1014,7 @@ class Engine:
                 self.finished_ids.append(rid)
                 if finished[i]:
                     self.slot_request[s] = -1
+                    self.pages.release(int(s))
                 else:  # still active on the device
                     self._release(int(s))
         seconds = time.perf_counter() - t0
@@ -1030,12 +1121,18 @@ def _rows_host(active: np.ndarray) -> np.ndarray:
 
 
 @functools.partial(jax.jit, donate_argnames=("dcache",))
-def _write_chunk_context(graph, dstate, dcache, taps, slot, start, n_valid):
+def _write_chunk_context(graph, dstate, dcache, taps, slot, start, n_valid, block_tables=None):
     """Drafter context K/V of one prefill chunk: taps [P, M, D] at positions start.. of ``slot``."""
     drafter = nnx.merge(graph, dstate)
     n = taps.shape[0]
     idx = jnp.arange(n, dtype=jnp.int32)
-    return dr.write_context(drafter, dcache, taps, jnp.full((n,), slot, jnp.int32), start + idx, idx < n_valid)
+    return dr.write_context(drafter, dcache, taps, jnp.full((n,), slot, jnp.int32), start + idx, idx < n_valid,
+                            block_tables)
+
+
+def _block_tables(cache):
+    """The block table of a paged target cache (the drafter's pages follow it), else None."""
+    return cache.block_tables if isinstance(cache, PagedKVCache) else None
 
 
 @functools.partial(jax.jit, static_argnames=("greedy",))
@@ -1164,12 +1261,13 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
             lens = state.cache.lengths
             keys = _key(state.seed, 1, state.request, lens)  # each request's keys, as in row order
             t = jnp.float32(0.0) if greedy else state.temperature
-            out = dr.draft(drafter, state.dcache, None, lens, state.anchor, keys, t, embed, head_w, context=context)
+            out = dr.draft(drafter, state.dcache, None, lens, state.anchor, keys, t, embed, head_w, context=context,
+                           block_tables=_block_tables(state.cache))
             return tuple(x[rows] for x in out)
         keys = _key(state.seed[rows], 1, state.request[rows], ctx_len)
         t = jnp.float32(0.0) if greedy else state.temperature[rows]  # [] or [R]
         return dr.draft(drafter, state.dcache, rows, ctx_len, state.anchor[rows], keys, t, embed, head_w,
-                        context=context)
+                        context=context, block_tables=_block_tables(state.cache))
 
     def skip():
         return (jnp.zeros((R, G), jnp.int32), jnp.zeros((R, G, W), jnp.float32), jnp.zeros((R, G), jnp.float32))
@@ -1271,7 +1369,7 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, dr
     dcache = state.dcache
     if drafting:
         drafter = nnx.merge(graph, dstate)
-        dcache = dr.write_context(drafter, dcache, extras.taps, slots, positions, valid)
+        dcache = dr.write_context(drafter, dcache, extras.taps, slots, positions, valid, _block_tables(cache))
     write = jnp.where(row_valid, rows, state.anchor.shape[0])  # padding rows write nothing
     hist, gate_state = state.conf_hist, state.gate
     if drafting:  # a round that skipped the drafter keeps the history it decided on

@@ -189,7 +189,8 @@ class DraftLayer(nnx.Module):
         # after the products with the values.
         f32 = jnp.float32  # scores, sums and the unnormalised value products accumulate in float32 (a float16
         # product of S exponentials and values can pass 65504 before the division)
-        s_ctx = jnp.einsum("nbgkqe,nske->nkbgqs", q, ctx_k, preferred_element_type=f32)  # [N, K, B, G, Q, S]
+        # [N, K, B, G, Q, S]; the context an operand in the cache's dtype (a bf16 cache is never cast to float32)
+        s_ctx = jnp.einsum("nbgkqe,nske->nkbgqs", q.astype(ctx_k.dtype), ctx_k, preferred_element_type=f32)
         s_blk = jnp.einsum("nbgkqe,nbhke->nkbgqh", q, kb, preferred_element_type=f32)  # [N, K, B, G, Q, G]
         s_ctx = jnp.where(ctx_mask[:, None, :, None, None, :], s_ctx, -jnp.inf)
         # The softmax does not depend on the shift: no gradient flows through the maximum (exact, and it spares
@@ -198,7 +199,7 @@ class DraftLayer(nnx.Module):
                                             jnp.max(s_blk, axis=-1, keepdims=True)))
         e_ctx, e_blk = jnp.exp(s_ctx - top), jnp.exp(s_blk - top)  # masked context positions: exp(-inf) = 0
         denom = jnp.sum(e_ctx, axis=-1, keepdims=True) + jnp.sum(e_blk, axis=-1, keepdims=True)
-        out = (jnp.einsum("nkbgqs,nske->nkbgqe", e_ctx.astype(x.dtype), ctx_v, preferred_element_type=f32)
+        out = (jnp.einsum("nkbgqs,nske->nkbgqe", e_ctx.astype(ctx_v.dtype), ctx_v, preferred_element_type=f32)
                + jnp.einsum("nkbgqh,nbhke->nkbgqe", e_blk.astype(x.dtype), vb, preferred_element_type=f32)) / denom
         out = jnp.transpose(out, (0, 2, 3, 1, 4, 5)).astype(x.dtype)  # [N, B, G, K, Q, E]
         x = x + self.wo(out.reshape(N, B, G, H * E))
@@ -341,7 +342,7 @@ class Drafter(nnx.Module):
         Returns:
           logits float32 [..., G, W]; confidence logits float32 [..., G] (zeros without a confidence head).
         """
-        logits = jnp.einsum("...gd,dw->...gw", h, head_w).astype(jnp.float32)
+        logits = jnp.einsum("...gd,dw->...gw", h.astype(head_w.dtype), head_w, preferred_element_type=jnp.float32)
         if not self.cfg.sequential:
             return logits, proxy_confidence_logit(logits)
         e = self.prev_embedding(prev_tokens) if self.cfg.uses_prev_token else None  # [..., G, r]
@@ -395,7 +396,8 @@ def sample_block(drafter: Drafter, h: jax.Array, anchors: jax.Array, keys: jax.A
     """
     cfg = drafter.cfg
     R, G, _ = h.shape
-    base = jnp.einsum("rgd,dw->rgw", h, head_w).astype(jnp.float32)  # [R, G, W]
+    # [R, G, W]: the head an operand in its own dtype (no float32 copy of a [D, W] head), float32 accumulation
+    base = jnp.einsum("rgd,dw->rgw", h.astype(head_w.dtype), head_w, preferred_element_type=jnp.float32)
     step_keys = jax.vmap(lambda k: jax.random.split(k, G))(keys)  # [R, G]
     t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (R,))[:, None]  # [R, 1]
     greedy = t <= 0
@@ -451,20 +453,53 @@ class DrafterCache:
         return dataclasses.replace(self, **kw)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedDrafterCache:
+    """The drafter's context keys and values in pages that follow the target's: page ``p`` of the target's
+    pool and of this one hold the same positions of the same request, so one block table (the target cache's)
+    finds both, and a request's pages carry its drafter context wherever they go."""
+
+    k: jax.Array  # [L, P, ps, K, E]
+    v: jax.Array  # [L, P, ps, K, E]
+
+    def replace(self, **kw) -> "PagedDrafterCache":
+        return dataclasses.replace(self, **kw)
+
+
 def init_drafter_cache(cfg: DrafterConfig, num_slots: int, capacity: int, dtype=jnp.float32) -> DrafterCache:
     shape = (cfg.n_layers, num_slots, capacity, cfg.n_kv_heads, cfg.head_dim)
     return DrafterCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
-def write_context(drafter: Drafter, cache: DrafterCache, taps, slots, positions, valid) -> DrafterCache:
+def init_paged_drafter_cache(cfg: DrafterConfig, num_pages: int, page_size: int, dtype=jnp.float32
+                             ) -> PagedDrafterCache:
+    """An empty paged drafter cache of ``num_pages`` pages of ``page_size`` positions (the target's pool's)."""
+    shape = (cfg.n_layers, num_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+    return PagedDrafterCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def write_context(drafter: Drafter, cache: DrafterCache | PagedDrafterCache, taps, slots, positions, valid,
+                  block_tables: jax.Array | None = None) -> DrafterCache | PagedDrafterCache:
     """Append the context K/V of verified (or prefilled) tokens.
 
     Args:
       taps: [T, M, D] target tapped hidden states of the tokens; slots, positions: int [T]; valid: bool [T].
+      block_tables: int [S, N] the target cache's block table (a `PagedDrafterCache` only).
     Returns:
       the cache with K/V written at (slot, position) for valid tokens.
     """
     k, v = drafter.context_kv(taps, positions)  # [L, T, K, E]
+    if isinstance(cache, PagedDrafterCache):
+        L, P, ps = cache.k.shape[:3]
+        S, N = block_tables.shape
+        page = positions // ps
+        ok = valid & (page < N)
+        flat = block_tables[jnp.clip(slots, 0, S - 1), jnp.clip(page, 0, N - 1)] * ps + positions % ps
+        flat = jnp.where(ok, flat, P * ps)  # out of range: dropped
+        put = lambda c, x: c.reshape(L, P * ps, *c.shape[3:]).at[:, flat].set(x.astype(c.dtype), mode="drop"
+                                                                              ).reshape(c.shape)
+        return cache.replace(k=put(cache.k, k), v=put(cache.v, v))
     S = cache.k.shape[1]
     write = jnp.where(valid, slots, S)  # out of range: dropped
     return cache.replace(
@@ -473,8 +508,8 @@ def write_context(drafter: Drafter, cache: DrafterCache, taps, slots, positions,
     )
 
 
-def draft(drafter: Drafter, cache: DrafterCache, slots, ctx_len, anchors, keys, temperature, embed, head_w,
-          context: int | None = None):
+def draft(drafter: Drafter, cache: DrafterCache | PagedDrafterCache, slots, ctx_len, anchors, keys, temperature,
+          embed, head_w, context: int | None = None, block_tables: jax.Array | None = None):
     """Draft one block for each of R requests (one backbone pass, then the sequential scan).
 
     Args:
@@ -484,14 +519,25 @@ def draft(drafter: Drafter, cache: DrafterCache, slots, ctx_len, anchors, keys, 
       anchors: int [R] anchor tokens; keys: [R] PRNG keys; temperature: float [] or [R] (per row).
       embed: [V, D] frozen target embedding; head_w: [D, W] frozen LM head over the draft vocabulary.
       context: optional static bound >= every ctx_len: only cache positions below it are read.
+      block_tables: int [S, N] the target cache's block table (a `PagedDrafterCache` only): the rows' pages
+        up to ``context`` are gathered.
     Returns:
       tokens int32 [R, G], probs float32 [R, G, W], confidence logits float32 [R, G].
     """
-    C = cache.k.shape[2] if context is None else min(int(context), cache.k.shape[2])
-    if slots is None:
-        ctx_k, ctx_v = cache.k[:, :, :C], cache.v[:, :, :C]  # [L, S, C, K, E]
+    if isinstance(cache, PagedDrafterCache):
+        ps, N = cache.k.shape[2], block_tables.shape[1]
+        n = N if context is None else min(N, -(-int(context) // ps))
+        pages = (block_tables if slots is None else block_tables[slots])[:, :n]  # [R, n]
+        L, R = cache.k.shape[0], pages.shape[0]
+        C = n * ps
+        ctx_k = cache.k[:, pages].reshape(L, R, C, *cache.k.shape[3:])  # [L, R, C, K, E]
+        ctx_v = cache.v[:, pages].reshape(L, R, C, *cache.v.shape[3:])
     else:
-        ctx_k, ctx_v = cache.k[:, slots, :C], cache.v[:, slots, :C]  # [L, R, C, K, E]
+        C = cache.k.shape[2] if context is None else min(int(context), cache.k.shape[2])
+        if slots is None:
+            ctx_k, ctx_v = cache.k[:, :, :C], cache.v[:, :, :C]  # [L, S, C, K, E]
+        else:
+            ctx_k, ctx_v = cache.k[:, slots, :C], cache.v[:, slots, :C]  # [L, R, C, K, E]
     ctx_mask = (jnp.arange(C)[None, :] < ctx_len[:, None])[:, None, :]  # [R, 1, C]
     h = drafter.hidden(ctx_k, ctx_v, ctx_mask, anchors[:, None], ctx_len[:, None], embed)[:, 0]  # [R, G, D]
     return sample_block(drafter, h, anchors, keys, temperature, head_w)

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dspark_jax import kernels
+
 # Padded sizes for the number of new tokens in one packed call: the cost of a step grows with the real
 # number of tokens, and each size compiles once.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -240,6 +242,49 @@ class KVCache:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class PagedKVCache:
+    """Keys (after RoPE) and values in a page pool per layer, found through a block table per slot.
+
+    Layout: the kernels' (`dspark_jax.kernels`): per layer ``[P, ps, 2K, E]``, keys and values interleaved on
+    the combined head axis; slot ``s``'s position ``p`` lives in page ``block_tables[s, p // ps]`` at offset
+    ``p % ps``. The host allocates the pages (`dspark_jax.cache.pages.PagePool`) before a call writes them; as
+    with `KVCache`, entries past ``lengths[s]`` are uncommitted and invisible. `read` gives entries as
+    [L, n, K, E].
+    """
+
+    pages: tuple[jax.Array, ...]  # L arrays [P, ps, 2K, E]
+    block_tables: jax.Array  # int32 [S, N]
+    lengths: jax.Array  # int32 [S]
+
+    @property
+    def num_slots(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.pages[0].shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.block_tables.shape[1] * self.page_size
+
+    @property
+    def dtype(self):
+        return self.pages[0].dtype
+
+    def read(self, slot, positions) -> tuple[jax.Array, jax.Array]:
+        """K and V of `slot` at `positions` (int [n]), each [L, n, K, E]."""
+        positions = jnp.asarray(positions)
+        page = self.block_tables[slot, positions // self.page_size]  # [n]
+        at = jnp.stack([p[page, positions % self.page_size] for p in self.pages])  # [L, n, 2K, E]
+        return at[:, :, 0::2], at[:, :, 1::2]
+
+    def replace(self, **kw) -> "PagedKVCache":
+        return dataclasses.replace(self, **kw)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class ForwardExtras:
     """Hidden states the drafter needs, for every token of the call."""
 
@@ -253,6 +298,22 @@ def init_cache(cfg: LlamaConfig, num_slots: int, capacity: int, dtype: Any = jnp
     return KVCache(k=tuple(jnp.zeros((num_slots, K, E, capacity), dtype) for _ in range(L)),
                    v=tuple(jnp.zeros((num_slots, K, capacity, E), dtype) for _ in range(L)),
                    lengths=jnp.zeros((num_slots,), jnp.int32))
+
+
+def init_paged_cache(cfg: LlamaConfig, num_slots: int, *, num_pages: int, page_size: int, pages_per_slot: int,
+                     dtype: Any = jnp.float32, block_tables: jax.Array | None = None) -> PagedKVCache:
+    """An empty paged cache: ``num_pages`` pages of ``page_size`` tokens per layer, a block table of
+    ``pages_per_slot`` pages per slot (default: every entry page 0, to be filled by the host's allocator).
+
+    >>> c = init_paged_cache(LlamaConfig.tiny(), 2, num_pages=4, page_size=8, pages_per_slot=2)
+    >>> c.pages[0].shape, c.capacity
+    ((4, 8, 4, 8), 16)
+    """
+    L, K, E = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+    if block_tables is None:
+        block_tables = jnp.zeros((num_slots, pages_per_slot), jnp.int32)
+    return PagedKVCache(pages=tuple(jnp.zeros((num_pages, page_size, 2 * K, E), dtype) for _ in range(L)),
+                        block_tables=jnp.asarray(block_tables, jnp.int32), lengths=jnp.zeros((num_slots,), jnp.int32))
 
 
 def commit(cache: KVCache, slots: jax.Array, new_lengths: jax.Array) -> KVCache:
@@ -401,21 +462,25 @@ def first_argmax(x: jax.Array) -> jax.Array:
 
 
 def logits_from_hidden(weights: LlamaWeights, hidden: jax.Array) -> jax.Array:
-    """LM head: [..., D] final hidden -> [..., V] float32 logits."""
-    h = hidden.astype(jnp.float32)
+    """LM head: [..., D] final hidden -> [..., V] float32 logits.
+
+    The head's [V, D] (or [D, V]) array is an operand in its own dtype, the product accumulated in float32
+    (``preferred_element_type``): a bf16 model never makes a float32 copy of its LM head."""
+    h = hidden.astype(weights.embed.dtype)
     if weights.lm_head is None:  # tied: contract with the embedding's rows (a transpose of it would be copied)
-        return jnp.einsum("...d,vd->...v", h, weights.embed.astype(jnp.float32))
-    return jnp.matmul(h, weights.lm_head.astype(jnp.float32))
+        return jnp.einsum("...d,vd->...v", h, weights.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", h.astype(weights.lm_head.dtype), weights.lm_head,
+                      preferred_element_type=jnp.float32)
 
 
 # ----------------------------------------------------------------------------------------------------
 # The forward
 
 
-def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: jax.Array,
+def _forward(weights: LlamaWeights, cache: KVCache | PagedKVCache, tokens: jax.Array, slots: jax.Array,
              positions: jax.Array, valid: jax.Array, cfg: LlamaConfig, *, reads: str, max_per_slot: int = 1,
-             row_slots: jax.Array | None = None, context: int | None = None
-             ) -> tuple[ForwardExtras, KVCache]:
+             row_slots: jax.Array | None = None, context: int | None = None, attention_impl: str = "auto"
+             ) -> tuple[ForwardExtras, KVCache | PagedKVCache]:
     """Shared body of the entry points: writes K/V of valid tokens, attends, returns hidden states.
 
     `reads` (static) says how a token finds its slot's cache, so that no more of the cache is read than needed:
@@ -429,13 +494,60 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
     (R rows instead of all S), so the cost follows the number of active requests; tokens of other slots are
     not allowed. `context` (static) reads only cache positions [0, context): every valid position must lie
     below it; the cost then follows the context actually held rather than the capacity.
+
+    A `PagedKVCache` is written through its block table and read by `kernels.ragged_paged_attention`
+    (``attention_impl``, static: "auto" picks the backend's kernel): the same tokens see the same positions.
     """
     T = tokens.shape[0]
+    H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    dtype = weights.embed.dtype
+    if isinstance(cache, PagedKVCache):
+        layer_caches, kv_step = _paged_kv_step(cache, slots, positions, valid, cfg, reads=reads, max_per_slot=max_per_slot,
+                                               row_slots=row_slots, context=context, impl=attention_impl)
+    else:
+        layer_caches, kv_step = _slot_kv_step(cache, slots, positions, valid, cfg, reads=reads,
+                                              max_per_slot=max_per_slot, row_slots=row_slots, context=context)
+
+    def layer(x, lw: LayerWeights, layer_cache):
+        h = rms_norm(x, lw.attn_norm, cfg.norm_eps)
+        q, k, v = h @ lw.wq, h @ lw.wk, h @ lw.wv  # [T, H*E], [T, K*E], [T, K*E]
+        if cfg.attn_bias:
+            q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
+        q, k, v = q.reshape(T, H, E), k.reshape(T, K, E), v.reshape(T, K, E)
+        if cfg.qk_norm:
+            q, k = rms_norm(q, lw.q_norm, cfg.norm_eps), rms_norm(k, lw.k_norm, cfg.norm_eps)
+        q = rope(q, positions, cfg.rope_base, cfg.rope_scaling)  # [T, H, E]
+        k = rope(k, positions, cfg.rope_base, cfg.rope_scaling)  # [T, K, E]
+        attn, layer_cache = kv_step(q, k, v, layer_cache)  # [T, H, E]: the new K/V written, then attended to
+        x = x + attn.reshape(T, H * E).astype(dtype) @ lw.wo
+        h = rms_norm(x, lw.mlp_norm, cfg.norm_eps)
+        x = x + (jax.nn.silu(h @ lw.w_gate) * (h @ lw.w_up)) @ lw.w_down
+        return x, layer_cache
+
+    x = weights.embed[tokens]  # [T, D]
+    new_caches, outs = [], []
+    for lw, layer_cache in zip(weights.layers, layer_caches, strict=True):  # unrolled: see module doc
+        x, layer_cache = layer(x, lw, layer_cache)
+        new_caches.append(layer_cache)
+        outs.append(x)
+    taps = jnp.stack([outs[i] for i in cfg.tap_layers], axis=1)  # [T, N, D]
+    extras = ForwardExtras(taps=taps, final_hidden=rms_norm(x, weights.final_norm, cfg.norm_eps))
+    if isinstance(cache, PagedKVCache):
+        return extras, cache.replace(pages=tuple(new_caches))
+    return extras, cache.replace(k=tuple(k for k, _ in new_caches), v=tuple(v for _, v in new_caches))
+
+
+def _slot_kv_step(cache: KVCache, slots, positions, valid, cfg: LlamaConfig, *, reads: str, max_per_slot: int,
+                  row_slots, context: int | None):
+    """The slot layout's per-layer step for `_forward`: (the layers' (k, v) caches, step), where
+    ``step(q [T, H, E], k, v [T, K, E], (k_cache, v_cache)) -> (attention [T, H, E] float32, (k_cache, v_cache))``
+    writes the tokens' K/V and attends over the slot caches as ``reads`` says."""
+    T = slots.shape[0]
     S, C = cache.num_slots, cache.capacity
     C = C if context is None else min(int(context), C)
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     Q, M = H // K, max_per_slot
-    dtype = weights.embed.dtype
+    f32 = jnp.float32
 
     write_slots = jnp.where(valid, slots, S)  # out of range: mode="drop" writes nothing for padding
     write_positions = positions
@@ -470,8 +582,8 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
         """
         if reads == "per_token":
             keys, values = k_cache[read_slots, ..., :C], v_cache[read_slots, :, :C]  # [T, K, E, C], [T, K, C, E]
-            probs = masked_softmax(jnp.einsum("tkqe,tkec->tkqc", q, keys.astype(jnp.float32)), visible)
-            return jnp.einsum("tkqc,tkce->tkqe", probs, values.astype(jnp.float32))
+            probs = masked_softmax(jnp.einsum("tkqe,tkec->tkqc", q, keys, preferred_element_type=f32), visible)
+            return jnp.einsum("tkqc,tkce->tkqe", probs.astype(values.dtype), values, preferred_element_type=f32)
         if reads == "one_slot":
             keys = k_cache[read_slots[0], ..., :C][None]  # [1, K, E, C]
             values = v_cache[read_slots[0], :, :C][None]  # [1, K, C, E]
@@ -489,48 +601,86 @@ def _forward(weights: LlamaWeights, cache: KVCache, tokens: jax.Array, slots: ja
             grid = jnp.zeros((G * M, K, Q, E), q.dtype).at[cell].set(q, mode="drop")
             rows = grid.reshape(G, M, K, Q, E).transpose(0, 2, 1, 3, 4)  # [G, K, M, Q, E]
         B, _, R = rows.shape[:3]
-        scores = jnp.einsum("bkre,bkec->bkrc", rows.reshape(B, K, R * Q, E), keys.astype(jnp.float32))
+        scores = jnp.einsum("bkre,bkec->bkrc", rows.reshape(B, K, R * Q, E), keys, preferred_element_type=f32)
         probs = masked_softmax(scores.reshape(B, K, R, Q, C), visible)  # [B, K, R, Q, C]
-        out = jnp.einsum("bkrc,bkce->bkre", probs.reshape(B, K, R * Q, C), values.astype(jnp.float32))
+        out = jnp.einsum("bkrc,bkce->bkre", probs.reshape(B, K, R * Q, C).astype(values.dtype), values,
+                         preferred_element_type=f32)
         out = out.reshape(B, K, R, Q, E)
         if reads in ("one_slot", "one_slot_masked"):
             return out[0].transpose(1, 0, 2, 3)
         out = out.transpose(0, 2, 1, 3, 4).reshape(G * M, K, Q, E)[jnp.minimum(cell, G * M - 1)]  # [T, K, Q, E]
         return jnp.where(placed[:, None, None, None], out, 0.0)
 
-    def layer(x, lw: LayerWeights, k_cache, v_cache):
-        h = rms_norm(x, lw.attn_norm, cfg.norm_eps)
-        q, k, v = h @ lw.wq, h @ lw.wk, h @ lw.wv  # [T, H*E], [T, K*E], [T, K*E]
-        if cfg.attn_bias:
-            q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
-        q, k, v = q.reshape(T, H, E), k.reshape(T, K, E), v.reshape(T, K, E)
-        if cfg.qk_norm:
-            q, k = rms_norm(q, lw.q_norm, cfg.norm_eps), rms_norm(k, lw.k_norm, cfg.norm_eps)
-        q = rope(q, positions, cfg.rope_base, cfg.rope_scaling)  # [T, H, E]
-        k = rope(k, positions, cfg.rope_base, cfg.rope_scaling)  # [T, K, E]
+    def step(q, k, v, layer_cache):
+        k_cache, v_cache = layer_cache
         # Both updates are [T, K, E]: k_cache [S, K, E, C], v_cache [S, K, C, E].
         k_new, v_new = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
         if T == 1:  # the dropped second index (above)
             k_new, v_new = jnp.concatenate([k_new, k_new]), jnp.concatenate([v_new, v_new])
         k_cache = k_cache.at[write_slots, :, :, write_positions].set(k_new, mode="drop")
         v_cache = v_cache.at[write_slots, :, write_positions].set(v_new, mode="drop")
-        q = q.reshape(T, K, Q, E).astype(jnp.float32) * (E ** -0.5)
-        attn = attend(q, k_cache, v_cache)  # [T, K, Q, E]
-        x = x + attn.reshape(T, H * E).astype(dtype) @ lw.wo
-        h = rms_norm(x, lw.mlp_norm, cfg.norm_eps)
-        x = x + (jax.nn.silu(h @ lw.w_gate) * (h @ lw.w_up)) @ lw.w_down
-        return x, k_cache, v_cache
+        # scaled in float32 (a [T, H, E] tensor), then an operand in the cache's dtype: the cache is never cast
+        q = (q.reshape(T, K, Q, E).astype(f32) * (E ** -0.5)).astype(k_cache.dtype)
+        return attend(q, k_cache, v_cache).reshape(T, H, E), (k_cache, v_cache)
 
-    x = weights.embed[tokens]  # [T, D]
-    ks, vs, outs = [], [], []
-    for lw, k_cache, v_cache in zip(weights.layers, cache.k, cache.v, strict=True):  # unrolled: see module doc
-        x, k_cache, v_cache = layer(x, lw, k_cache, v_cache)
-        ks.append(k_cache)
-        vs.append(v_cache)
-        outs.append(x)
-    taps = jnp.stack([outs[i] for i in cfg.tap_layers], axis=1)  # [T, N, D]
-    extras = ForwardExtras(taps=taps, final_hidden=rms_norm(x, weights.final_norm, cfg.norm_eps))
-    return extras, cache.replace(k=tuple(ks), v=tuple(vs))
+    return list(zip(cache.k, cache.v, strict=True)), step
+
+
+def _paged_kv_step(cache: PagedKVCache, slots, positions, valid, cfg: LlamaConfig, *, reads: str,
+                   max_per_slot: int, row_slots, context: int | None, impl: str):
+    """The paged layout's per-layer step for `_forward` (as `_slot_kv_step`): the tokens' K/V written through
+    the block table (`kernels.write_kv`), then `kernels.ragged_paged_attention` over one metadata set shared by
+    every layer. The tokens are put in sequence order for the kernel (packed rows per sequence) and back.
+
+    Sequences: ``one_slot*`` (prefill): the one slot, its valid tokens first; ``grid``: the grid's slots (all,
+    or ``row_slots``), each with its placed tokens (at most ``max_per_slot``); ``per_token``: every token its
+    own sequence (of one query). Each sequence's cached length is its last token's position + 1 (the contract:
+    a slot's new tokens continue its committed prefix).
+    """
+    T = slots.shape[0]
+    S, ps = cache.num_slots, cache.page_size
+    H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    C = cache.capacity if context is None else min(int(context), cache.capacity)
+    window = -(-C // ps) * ps  # the XLA path's gather: whole pages
+    read_slots = jnp.clip(slots, 0, S - 1)
+    seq_of_write = jnp.where(valid, read_slots, -1)
+    write_at = kernels.slot_mapping(cache.block_tables, seq_of_write, positions, ps)  # [T] flat pool slots
+    if reads in ("one_slot", "one_slot_masked"):
+        n_new = jnp.sum(valid).astype(jnp.int32)
+        seq_slots = read_slots[:1]  # [1]
+        q_len = n_new[None]
+        dest = jnp.where(valid, jnp.cumsum(valid) - 1, T)  # valid tokens first, in order
+        M = T
+    elif reads == "grid":
+        seq_slots = jnp.arange(S, dtype=jnp.int32) if row_slots is None else row_slots.astype(jnp.int32)
+        onehot = (slots[:, None] == seq_slots[None, :]) & valid[:, None]  # [T, R]
+        token_row = jnp.argmax(onehot, axis=1)  # [T]
+        rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), token_row[:, None], axis=1)[:, 0] - 1  # [T]
+        placed = valid & jnp.any(onehot, axis=1) & (rank < max_per_slot)
+        q_len = jnp.sum(onehot & placed[:, None], axis=0).astype(jnp.int32)  # [R]
+        starts = jnp.cumsum(q_len) - q_len
+        dest = jnp.where(placed, starts[token_row] + rank, T)
+        M = max_per_slot
+    else:  # per_token
+        seq_slots = read_slots
+        q_len = valid.astype(jnp.int32)
+        dest = jnp.where(valid, jnp.cumsum(valid) - 1, T)
+        M = 1
+    R = seq_slots.shape[0]
+    token_seq = (jnp.zeros((T,), jnp.int32) if reads in ("one_slot", "one_slot_masked")
+                 else token_row if reads == "grid" else jnp.arange(T, dtype=jnp.int32))
+    kv_lens = jnp.zeros((R,), jnp.int32).at[jnp.where(dest < T, token_seq, R)].max(positions + 1, mode="drop")
+    cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_len).astype(jnp.int32)])
+    meta = (kv_lens, cache.block_tables[seq_slots], cu_q_lens, jnp.full((1,), R, jnp.int32))
+
+    def step(q, k, v, pages):
+        pages = kernels.write_kv(pages, k, v, write_at)
+        packed = jnp.zeros((T, H, E), pages.dtype).at[dest].set(q.astype(pages.dtype), mode="drop")  # [T, H, E]
+        out = kernels.ragged_paged_attention(packed, pages, *meta, sm_scale=E**-0.5, max_q_per_seq=M,
+                                             window=window, impl=impl)
+        return jnp.where((dest < T)[:, None, None], out[jnp.minimum(dest, T - 1)], 0), pages
+
+    return list(cache.pages), step
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_per_slot", "context"), donate_argnames=("cache",))
