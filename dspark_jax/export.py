@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> Path:
         refusals = deepspec_refusals(cfg, mask_token_id=args.mask_token_id)
         needs_target = not cfg.own_embeddings
     if refusals:
-        p.error(f"{args.drafter}: the {args.format} format cannot hold this drafter: " + "; ".join(refusals))
+        p.error(f"{args.drafter}: the {args.format} format cannot hold this drafter:"
+                + "".join(f"\n  - {r}" for r in refusals))
     embed = lm_head = taps = n_layers = None
     if needs_target or cfg.tap_layers is None:
         from dspark_jax.build import load_target  # noqa: PLC0415

@@ -521,7 +521,8 @@ def save_deepspec_drafter(drafter: Drafter, folder: str | os.PathLike, *, embed:
     folder = Path(folder)
     refusals = deepspec_refusals(cfg, mask_token_id=mask_token_id)
     if refusals:
-        raise ValueError("save_deepspec_drafter: " + "; ".join(refusals))
+        raise ValueError("save_deepspec_drafter: the DeepSpec format cannot hold this drafter:"
+                         + "".join(f"\n  - {r}" for r in refusals))
     taps = cfg.tap_layers if target_layer_ids is None else tuple(int(i) for i in target_layer_ids)
     if taps is None or len(taps) != cfg.n_taps:
         raise ValueError(f"save_deepspec_drafter: target_layer_ids: expected the {cfg.n_taps} target layers the "

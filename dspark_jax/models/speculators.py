@@ -281,8 +281,8 @@ def save_speculators_drafter(drafter: Drafter, folder: str | os.PathLike, *, emb
     cfg = drafter.cfg
     refusals = speculators_refusals(cfg)
     if refusals:
-        raise ValueError("save_speculators_drafter: the speculators format cannot hold this drafter: "
-                         + "; ".join(refusals))
+        raise ValueError("save_speculators_drafter: the speculators format cannot hold this drafter:"
+                         + "".join(f"\n  - {r}" for r in refusals))
     taps = cfg.tap_layers if target_layer_ids is None else tuple(int(i) for i in target_layer_ids)
     if taps is None or len(taps) != cfg.n_taps:
         raise ValueError(f"save_speculators_drafter: target_layer_ids: expected the {cfg.n_taps} target layers the "
