@@ -1,6 +1,6 @@
 """Finding a drafter: the shipped ones by name (``dspark``, ``dflash``), a folder written by
-`models.drafter_files.save_drafter` (with its STS temperatures, ``sts.json`` beside the weights, when present), a DeepSpec
-DFlash/DSpark checkpoint folder (`dspark_jax.models.deepspec`) or a vLLM speculators DSpark/DFlash folder
+`models.drafter_files.save_drafter` (with its STS temperatures, ``sts.json`` beside the weights, when present), a
+DeepSpec DFlash/DSpark checkpoint folder (`dspark_jax.models.deepspec`) or a vLLM speculators DSpark/DFlash folder
 (`dspark_jax.models.speculators`)."""
 
 from __future__ import annotations

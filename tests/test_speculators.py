@@ -440,6 +440,8 @@ def test_bad_folders_are_refused_before_weights_are_read(verifier, tmp_path, mon
     with pytest.raises(ValueError, match=r"tensor 't2d' marks 97 tokens, but draft_vocab_size is 96"):
         load_speculators_drafter(folder("t2d", tensors={**weights, "t2d": t2d}))
     monkeypatch.undo()
+    no_head = {k: v for k, v in weights.items() if k != "lm_head.weight"}  # speculators refills it from the verifier
+    assert load_speculators_drafter(folder("no-head", tensors=no_head))[0].cfg.draft_vocab == len(DRAFT_IDS)
     w1 = weights["markov_head.markov_w1.weight"].copy()
     w1[np.flatnonzero(~weights["t2d"])[0]] += 1.0
     with pytest.raises(ValueError, match=r"tensor 'markov_head.markov_w1.weight'.*rows of the 224 tokens outside "

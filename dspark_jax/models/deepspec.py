@@ -206,8 +206,8 @@ def deepspec_drafter_config(hf: dict, source: str | os.PathLike = "config.json")
     if not 0 <= mask < layers["vocab_size"]:
         raise ValueError(f"{src}: field 'mask_token_id' = {mask}, expected a token id in [0, {layers['vocab_size']})")
     try:
-        return DrafterConfig(**layers, **heads, n_taps=len(taps), block=config_field(hf, "block_size", src), qk_norm=True,
-                             mask_token=mask, own_embeddings=True, tap_layers=taps)
+        return DrafterConfig(**layers, **heads, n_taps=len(taps), block=config_field(hf, "block_size", src),
+                             qk_norm=True, mask_token=mask, own_embeddings=True, tap_layers=taps)
     except ValueError as err:
         raise ValueError(f"{src}: {err}") from err
 

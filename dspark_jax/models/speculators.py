@@ -200,8 +200,9 @@ def load_speculators_drafter(folder: str | os.PathLike, target_cfg=None, *, dtyp
     tensors = shared_tensor_map(cfg)
     vocab_ids = None
     if cfg.draft_vocab < cfg.vocab_size:
-        tensors["lm_head.weight"] = Tensor(None, (cfg.draft_vocab, cfg.dim))  # the target's rows: checked only
         files = weight_files(folder)
+        if "lm_head.weight" in files:  # the target's rows (speculators' classes refill them when absent): checked only
+            tensors["lm_head.weight"] = Tensor(None, (cfg.draft_vocab, cfg.dim))
         check_tensor_headers(folder, files, {**{n: t.shape for n, t in tensors.items()},
                                              "d2t": (cfg.draft_vocab,), "t2d": (cfg.vocab_size,)},
                              source=cfg_path, hint=HINT)
