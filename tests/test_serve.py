@@ -244,13 +244,13 @@ def test_fields_other_clients_send(served, monkeypatch):
         raise ChatTemplateError("Conversation roles must alternate user/assistant")
 
     given = []
-    encode_chat = served.tok.encode_chat
-    monkeypatch.setattr(served.tok, "encode_chat", lambda turns, *a, **k: given.append((turns, a, k)) or
-                        encode_chat(turns, *a, **k))
+    render = served.tok.apply_chat_template
+    monkeypatch.setattr(served.tok, "apply_chat_template", lambda turns, *a, **k: given.append((turns, a, k)) or
+                        render(turns, *a, **k))
     answer({"messages": [{"role": "user", "content": "Hi", "name": "ann"}],
             "chat_template_kwargs": {"enable_thinking": False}})
     assert given[-1] == ([{"role": "user", "content": "Hi", "name": "ann"}], (True,), {"enable_thinking": False})
-    monkeypatch.setattr(served.tok, "encode_chat", refuse)
+    monkeypatch.setattr(served.tok, "apply_chat_template", refuse)
     r = post("chat/completions", {"messages": msgs})
     assert r.status_code == 400 and "alternate" in r.json()["error"]["message"]
     monkeypatch.undo()

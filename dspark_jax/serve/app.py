@@ -13,19 +13,28 @@ name (400, code ``unsupported_parameter``) unless it holds its neutral value: ``
 ``echo``, ``tools``, a ``response_format`` other than text, penalties, ``logit_bias``, ``top_k``, ``min_p``,
 ``min_tokens``, ``best_of``, ``suffix``, ``functions``, guided decoding, ``continue_final_message``. Fields that
 do not change the answer (``user``, ``metadata``, ...) are ignored. Errors are OpenAI's shape, ``{"error":
-{"message", "type", "param", "code"}}``: 400 for a bad body (bad JSON, a value out of range, a prompt longer than
-the context, a conversation the chat template refuses), 401 without the ``--api-key`` (every path but
+{"message", "type", "param", "code"}}``: 400 for a bad body (not a JSON object, text that is not valid Unicode,
+a value out of range or not finite, a prompt longer than ``--max-prompt-tokens`` or the context, a conversation
+the chat template refuses; ``param`` names the field), 401 without the ``--api-key`` (every path but
 ``/health``; ``OPTIONS`` requests, which browsers send as CORS preflights without credentials, pass), 404 for an
-unknown model, 429 when the queue is full, 503 when
-shutting down or after the queue timeout.
+unknown model, 408 for a body slower than the body timeout, 413 for a body over the size limit, 429 when the
+queue is full, 503 when shutting down or after the queue timeout.
+
+Request bodies are bounded in size and time (`_BodyGuard`), connections in number and in the time their headers
+take (`server_config`); parsing, validation, chat templates and tokenizing run on a thread pool, off the event
+loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import copy
 import hmac
 import json
+import os
+import re
 import socket
 import threading
 import time
@@ -36,15 +45,16 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from dspark_jax.engine import MAX_SEED, SamplingParams
 from dspark_jax.serve.worker import EngineWorker, Event, GenerationRequest, QueueFull, ShuttingDown, prometheus_text
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TextStream", "create_app",
-           "BackgroundServer"]
+           "BackgroundServer", "server_config", "parse_body"]
 
 
 class StreamOptions(BaseModel):
@@ -60,8 +70,8 @@ class _Sampling(BaseModel):
 
     model: str | None = None  # omitted: the served model (as vLLM)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)  # NaN (Python's json): refused
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = None  # any integer, reduced modulo 2**31 (OpenAI's seeds are 64-bit, signed)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -139,15 +149,106 @@ class ChatCompletionRequest(_Sampling):
 
 
 class APIError(Exception):
+    """An error answered in OpenAI's shape; ``close``: the connection is closed after the answer (a body that
+    was not read to its end)."""
+
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, close: bool = False):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.close = close
 
 
-def _error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status)
+def _error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
+                    close: bool = False):
+    # ASCII JSON: a message or param may quote the request's text, which need not be valid Unicode
+    return Response(json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}),
+                    status_code=status, media_type="application/json",
+                    headers={"Connection": "close"} if close else None)
+
+
+# The server's limits on what clients send (the flags of `python -m dspark_jax.serve`).
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20  # --max-request-body-bytes: 16 MiB (a million-token prompt as ids)
+DEFAULT_REQUEST_HEADER_TIMEOUT = 30.0  # --request-header-timeout: seconds for a request's headers to arrive
+DEFAULT_REQUEST_BODY_TIMEOUT = 60.0  # --request-body-timeout: seconds from the headers to the body's end
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0  # --timeout-keep-alive: an idle kept-alive connection is closed (uvicorn's 5 s)
+DEFAULT_MAX_CONNECTIONS = 512  # --max-connections: open connections (or requests in flight) before 503s
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")  # where json.loads can make one: a \uD800-\uDFFF escape
+
+
+def _surrogate_at(value: Any, path: tuple = ()) -> tuple | None:
+    """The path of the first string (or object key) in ``value`` holding a lone surrogate, else None."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if _SURROGATE.search(k):
+                return (*path, k)
+            found = _surrogate_at(v, (*path, k))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _surrogate_at(v, (*path, i))
+            if found is not None:
+                return found
+    return None
+
+
+def _printable(part: Any) -> str:
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", str(part))
+
+
+def _validation_error(errors: Sequence[dict]) -> APIError:
+    """pydantic's first error as a 400 naming the request's field."""
+    first = errors[0] if errors else {}
+    loc = [_printable(p) for p in _field_path(first.get("loc", ()))]
+    kind = first.get("type", "")
+    msg = ("the body is not valid JSON" if kind == "json_invalid" else
+           "not a finite number" if kind == "finite_number" else first.get("msg", "invalid request"))
+    return APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", param=".".join(loc) or None)
+
+
+def parse_body(raw: bytes, schema: type[BaseModel]) -> BaseModel:
+    """A request body as ``schema``: JSON (UTF-8) holding an object whose text is valid Unicode.
+
+    >>> parse_body(b'{"prompt": "Hi", "temperature": 0}', CompletionRequest).prompt
+    'Hi'
+    >>> for raw in (b'{"prompt": "Hi",', b'{"prompt": "\\\\ud800 Hi"}', b'{"prompt": "Hi", "top_p": NaN}'):
+    ...     try:
+    ...         parse_body(raw, CompletionRequest)
+    ...     except APIError as e:
+    ...         print(e.status, e.param, '|', e.message)
+    400 None | the body is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 17 (char 16)
+    400 prompt | prompt: not valid Unicode text (a lone surrogate, such as \\ud800)
+    400 top_p | top_p: not a finite number
+
+    Raises:
+      APIError: 400, naming the field where there is one.
+    """
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "the body is not valid JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8 (UnicodeDecodeError)
+        raise APIError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the body must be a JSON object, not {type(data).__name__}")
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            at = _surrogate_at(data)
+        except RecursionError:
+            raise APIError(400, "the body is not valid JSON: nested too deeply") from None
+        if at is not None:
+            field = ".".join(_printable(p) for p in at)
+            raise APIError(400, f"{field}: not valid Unicode text (a lone surrogate, such as \\ud800)", param=field,
+                           code="invalid_text")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e.errors()) from None
 
 
 class TextStream:
@@ -213,7 +314,10 @@ class TextStream:
 
 
 def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str | None = None,
-               default_max_tokens: int = 256, allowed_origins: Sequence[str] = ()) -> FastAPI:
+               default_max_tokens: int = 256, allowed_origins: Sequence[str] = (),
+               max_prompt_tokens: int | None = None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+               request_body_timeout: float | None = DEFAULT_REQUEST_BODY_TIMEOUT,
+               cpu_threads: int | None = None) -> FastAPI:
     """The FastAPI application serving ``worker``'s engine under the name ``model_name``.
 
     Args:
@@ -224,10 +328,24 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
         <api_key>`` (else 401).
       default_max_tokens: the output budget of a request that gives none (capped by the context left).
       allowed_origins: browser origins allowed to call the API (CORS; ``"*"``: any); none: same-origin only.
+      max_prompt_tokens: the longest prompt taken (None: what the context holds with one output token).
+      max_request_body_bytes: the largest request body (413 past it: a larger Content-Length before the body is
+        read, a body without one as soon as it has grown past it).
+      request_body_timeout: seconds from a request's headers to its body's end (408 past it; None: no limit).
+      cpu_threads: threads that parse, validate, template and tokenize request bodies, off the event loop
+        (default: up to 4, one per core).
     """
     engine = worker.engine
     capacity = engine.cfg.capacity - engine.G - 1  # prompt + output tokens a slot holds
+    longest_prompt = capacity - 1 if max_prompt_tokens is None else min(int(max_prompt_tokens), capacity - 1)
     created = int(time.time())
+    encoder = _lock_free_encoder(tokenizer, longest_prompt)  # a longer text is refused before its ids are listed
+    pool = concurrent.futures.ThreadPoolExecutor(cpu_threads or max(1, min(4, os.cpu_count() or 1)),
+                                                 thread_name_prefix="dspark-http-cpu")
+
+    async def off_loop(fn, *args):
+        """``fn(*args)`` on the CPU pool: the event loop keeps answering (``/health``, streams) meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -236,21 +354,18 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
             worker.start()
         yield
         await asyncio.to_thread(worker.stop)  # drains what was accepted
+        pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="dspark-jax", lifespan=lifespan)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = _field_path(first.get("loc", ()))
-        kind = first.get("type", "")
-        msg = "the body is not valid JSON" if kind == "json_invalid" else first.get("msg", "invalid request")
-        return _error_response(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", param=".".join(loc) or None)
+        e = _validation_error(exc.errors())
+        return _error_response(e.status, e.message, param=e.param)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return _error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        return _error_response(exc.status, exc.message, exc.type, exc.param, exc.code, close=exc.close)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):  # unknown path, wrong method
@@ -259,6 +374,8 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
 
     if api_key is not None:
         app.add_middleware(_KeyCheck, key=api_key)
+    # outside the key check: an answer that leaves a body unread (a 401) closes the connection
+    app.add_middleware(_BodyGuard, max_bytes=max_request_body_bytes, timeout=request_body_timeout)
     if allowed_origins:  # added last, so it runs first: a preflight is answered before the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
@@ -302,17 +419,35 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options: only with stream = true", param="stream_options")
 
-    def make_request(body: _Sampling, prompt_ids: list[int], max_tokens: int | None) -> tuple[GenerationRequest,
-                                                                                              list[str]]:
+    def prompt_too_long(field: str, count: str) -> APIError:
+        limit = (f"this model's context holds {capacity} tokens, so a prompt at most {capacity - 1}"
+                 if longest_prompt == capacity - 1 else
+                 f"this server takes prompts of at most {longest_prompt} tokens (--max-prompt-tokens)")
+        what = "the conversation (chat template applied)" if field == "messages" else "the prompt"
+        return APIError(400, f"{field}: {what} has {count} tokens; {limit}", param=field,
+                        code="context_length_exceeded")
+
+    def encode(text: str, field: str, add_special: bool) -> list[int]:
+        try:
+            return encoder.encode(text, add_special=add_special)
+        except _TooManyTokens as e:
+            count = f"{e.count}" if not add_special else f"at least {e.count}"
+            raise prompt_too_long(field, count) from None
+
+    def make_request(body: _Sampling, prompt_ids: list[int], max_tokens: int | None, prompt_field: str = "prompt",
+                     limit_field: str = "max_tokens") -> tuple[GenerationRequest, list[str]]:
         if not prompt_ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        room = capacity - len(prompt_ids)
+            raise APIError(400, "the prompt is empty", param=prompt_field)
+        n = len(prompt_ids)
+        if n > longest_prompt:
+            raise prompt_too_long(prompt_field, str(n))
+        room = capacity - n
         if max_tokens is None:
             max_tokens = min(default_max_tokens, room)
-        if room < 1 or max_tokens > room:
-            raise APIError(400, f"this model's context holds {capacity} tokens; the prompt has {len(prompt_ids)} "
-                                f"and max_tokens asks for {max_tokens}", param="max_tokens",
-                           code="context_length_exceeded")
+        if max_tokens > room:
+            raise APIError(400, f"{limit_field}: this model's context holds {capacity} tokens; the prompt has {n}, "
+                                f"which leaves {room} for the answer, and {limit_field} asks for {max_tokens}",
+                           param=limit_field, code="context_length_exceeded")
         vocab = tokenizer.vocab_size
         stop_ids = tuple(body.stop_token_ids or ())
         bad = [t for t in stop_ids if not 0 <= t < vocab]
@@ -328,7 +463,8 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
         return GenerationRequest(prompt_ids, int(max_tokens), sampling), stop
 
     async def run(request: Request, body: _Sampling, prompt_ids: list[int], max_tokens: int | None, chat: bool):
-        req, stop = make_request(body, prompt_ids, max_tokens)
+        limit_field = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+        req, stop = make_request(body, prompt_ids, max_tokens, "messages" if chat else "prompt", limit_field)
         try:
             events = worker.submit(req)
         except QueueFull as e:
@@ -435,8 +571,15 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest):
+    async def read_body(request: Request) -> bytes:
+        try:
+            return await request.body()  # bounded in size and time by _BodyGuard
+        except ClientDisconnect:
+            raise APIError(400, "the client closed the connection before the body ended", close=True) from None
+
+    def prepare_completion(raw: bytes) -> tuple[CompletionRequest, list[int]]:
+        """The request and its prompt's ids (on the CPU pool)."""
+        body = parse_body(raw, CompletionRequest)
         check_request(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -444,11 +587,12 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
                 raise APIError(400, "prompt: one prompt per request (a list of one string or token list)",
                                param="prompt")
             prompt = prompt[0]
-        ids = tokenizer.encode(prompt, add_special=True) if isinstance(prompt, str) else [int(t) for t in prompt]
-        return await run(request, body, ids, body.max_tokens, chat=False)
+        ids = encode(prompt, "prompt", add_special=True) if isinstance(prompt, str) else [int(t) for t in prompt]
+        return body, ids
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest):
+    def prepare_chat(raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+        """The request and its templated conversation's ids (on the CPU pool)."""
+        body = parse_body(raw, ChatCompletionRequest)
         check_request(body)
         turns = []
         for i, m in enumerate(body.messages):
@@ -475,13 +619,190 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
             raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} cannot be set here",
                            param="chat_template_kwargs")
         try:
-            ids = tokenizer.encode_chat(turns, body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+            text = tokenizer.apply_chat_template(turns, body.add_generation_prompt,
+                                                 **(body.chat_template_kwargs or {}))
         except ValueError as e:  # the template refuses the conversation (ChatTemplateError), or has none
             raise APIError(400, f"messages: {e}", param="messages") from None
+        return body, encode(text, "messages", add_special=False)  # as encode_chat: the template writes any BOS
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body, ids = await off_loop(prepare_completion, await read_body(request))
+        return await run(request, body, ids, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body, ids = await off_loop(prepare_chat, await read_body(request))
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return await run(request, body, ids, limit, chat=True)
 
     return app
+
+
+class _TooManyTokens(Exception):
+    """A text encoded to more tokens than the encoder takes (``count``: how many, before any BOS / EOS)."""
+
+    def __init__(self, count: int):
+        super().__init__(count)
+        self.count = count
+
+
+class _BatchEncoding:
+    """A `tokenizers.Tokenizer` whose ``encode`` runs through ``encode_batch_fast`` (``encode_batch`` before
+    tokenizers 0.21): the same ids, but the Rust code releases the interpreter lock while it works. ``encode``
+    holds it for the whole call, so a megabyte of text stalls every other thread, the event loop's included, for
+    the call's length even from a thread pool. The fast variant computes no character offsets, which also makes
+    a long encoding cheap to free (freeing half a million tokens' offsets holds the lock for about 60 ms). A text
+    of more than ``max_tokens`` tokens raises `_TooManyTokens` before its ids become a Python list (about 10 ms
+    for half a million)."""
+
+    def __init__(self, backend, max_tokens: int | None):
+        self._backend, self._max_tokens = backend, max_tokens
+        self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+
+    def encode(self, text, add_special_tokens=True):
+        encoding = self._encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if self._max_tokens is not None and len(encoding) > self._max_tokens:
+            raise _TooManyTokens(len(encoding))
+        return encoding
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+def _lock_free_encoder(tokenizer, max_tokens: int | None = None):
+    """A shallow copy of ``tokenizer`` (`Tokenizer` or `HFTokenizer`, whose ``encode`` calls ``self._tk.encode``)
+    that encodes without holding the interpreter lock and raises `_TooManyTokens` for a text of more than
+    ``max_tokens`` tokens; ``tokenizer`` itself where it has no such backend."""
+    backend = getattr(tokenizer, "_tk", None)
+    if backend is None or not hasattr(backend, "encode_batch"):
+        return tokenizer
+    out = copy.copy(tokenizer)
+    out._tk = _BatchEncoding(backend, max_tokens)
+    return out
+
+
+class _BodyGuard:
+    """ASGI middleware bounding request bodies: at most ``max_bytes`` (a larger Content-Length is answered 413
+    before any of the body is read; a body without one is counted as it arrives and refused once past it) and
+    ``timeout`` seconds from the request's headers to the body's end (408). Either closes the connection, as does
+    any answer sent before the body was read to its end (a 401, a 404), so that no unread body is drained.
+    Plain ASGI, so streaming answers and disconnects pass through untouched."""
+
+    def __init__(self, app, max_bytes: int, timeout: float | None):
+        self.app, self.max_bytes, self.timeout = app, int(max_bytes), timeout
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than {self.max_bytes} bytes (--max-request-body-bytes)",
+                        code="request_too_large", close=True)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None and length.strip().isdigit() and int(length) > self.max_bytes:
+            e = self._too_large()
+            await _error_response(e.status, e.message, code=e.code, close=True)(scope, receive, send)
+            return
+        if b"transfer-encoding" not in headers and length in (None, b"0"):  # no body
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = None if self.timeout is None else loop.time() + self.timeout
+        read, done = 0, False
+
+        async def guarded_receive():
+            nonlocal read, done
+            if done:
+                return await receive()
+            try:
+                message = await (receive() if deadline is None else
+                                 asyncio.wait_for(receive(), max(0.0, deadline - loop.time())))
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.timeout:g} s "
+                                    f"(--request-body-timeout)", code="request_timeout", close=True) from None
+            if message["type"] != "http.request":
+                done = True
+                return message
+            read += len(message.get("body", b""))
+            if read > self.max_bytes:
+                raise self._too_large()
+            done = not message.get("more_body", False)
+            return message
+
+        async def closing_send(message):
+            if message["type"] == "http.response.start" and not done:
+                hdrs = list(message.get("headers", []))
+                if not any(k.lower() == b"connection" for k, _ in hdrs):
+                    message = {**message, "headers": [*hdrs, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, guarded_receive, closing_send)
+
+
+class _HeaderTimeout:
+    """Mixed into uvicorn's HTTP protocol class: a connection whose request headers are not complete
+    ``header_timeout`` seconds after it opened, or after the first bytes of a request that follows an answer, is
+    closed. uvicorn has no such limit: a client that never finishes its headers holds its connection (and a
+    descriptor) forever. Idle connections between requests are closed by uvicorn's keep-alive timeout."""
+
+    header_timeout: float = DEFAULT_REQUEST_HEADER_TIMEOUT
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self._watch_headers()
+
+    def data_received(self, data):
+        super().data_received(data)
+        self._watch_headers()
+
+    def connection_lost(self, exc):
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def _between_requests(self) -> bool:
+        cycle = getattr(self, "cycle", None)
+        return cycle is None or cycle.response_complete
+
+    def _watch_headers(self) -> None:
+        if not self._between_requests():
+            self._disarm_header_timer()
+        elif self._header_timer is None and not self.transport.is_closing():
+            self._header_timer = self.loop.call_later(self.header_timeout, self._headers_late)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self._between_requests() and not self.transport.is_closing():
+            self.transport.close()
+
+
+def server_config(app, *, header_timeout: float = DEFAULT_REQUEST_HEADER_TIMEOUT,
+                  keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE, max_connections: int | None = DEFAULT_MAX_CONNECTIONS,
+                  **uvicorn_options) -> uvicorn.Config:
+    """uvicorn's configuration for ``app`` with the server's connection limits.
+
+    Args:
+      header_timeout: seconds a connection may take to send a request's headers (from its opening, or from the
+        request's first bytes after an answer); then it is closed.
+      keep_alive: seconds an idle kept-alive connection stays open (uvicorn's ``timeout_keep_alive``).
+      max_connections: open connections, or requests in flight, past which a request is answered 503 (uvicorn's
+        ``limit_concurrency``; None: no limit).
+      **uvicorn_options: passed to `uvicorn.Config` (``host``, ``port``, ``log_level``, ...).
+    """
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol  # noqa: PLC0415  (httptools where installed, else h11)
+
+    protocol = type("HeaderTimedHTTPProtocol", (_HeaderTimeout, AutoHTTPProtocol),
+                    {"header_timeout": float(header_timeout)})
+    return uvicorn.Config(app, http=protocol, timeout_keep_alive=keep_alive, limit_concurrency=max_connections,
+                          **uvicorn_options)
 
 
 class _KeyCheck:
@@ -538,15 +859,17 @@ class BackgroundServer:
     """Serve ``app`` with uvicorn on a thread (tests, benchmarks): ``with BackgroundServer(app) as url: ...``.
 
     Binds ``host`` (loopback by default) on ``port`` (0: a free one); ``url`` is ``http://host:port``.
+    ``limits``: `server_config`'s (``header_timeout``, ``keep_alive``, ``max_connections``).
     Leaving the block shuts the server down gracefully (in-flight requests finish, the engine drains).
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, graceful_seconds: float = 60.0):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, graceful_seconds: float = 60.0,
+                 **limits):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_seconds)
+        config = server_config(app, log_level="warning", timeout_graceful_shutdown=graceful_seconds, **limits)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -4,10 +4,11 @@
 `GenerationRequest`s and cancels them through a locked inbox; the thread applies them between rounds and
 sends each request's tokens, as the round commits them, to the request's `asyncio.Queue` on its loop.
 
-Bounded queue: at most ``max_queued`` accepted requests wait for a slot (the inbox plus the engine's queue);
-past that `submit` raises `QueueFull` (the server answers 429), and after `stop` it raises `ShuttingDown`
-(503). A request that waited longer than ``queue_timeout`` seconds for a slot leaves the queue and is told so
-(`Event` kind ``"error"`` with status 503). Nothing accepted is dropped: `stop` drains the queue and the
+Bounded queue: at most ``max_queued`` accepted requests wait for a slot (`EngineWorker.waiting`: those of the
+inbox and the engine's queue that the free slots will not take at the next admission); past that `submit`
+raises `QueueFull` (the server answers 429), and after `stop` it raises `ShuttingDown` (503). A request that
+waited longer than ``queue_timeout`` seconds for a slot leaves the queue and is told so (`Event` kind
+``"error"`` with status 503). Nothing accepted is dropped: `stop` drains the queue and the
 active requests before the thread ends.
 """
 
@@ -98,7 +99,7 @@ class EngineWorker:
 
     Args:
       engine: an idle engine (built with `dspark_jax.build.build_engine`).
-      max_queued: most accepted requests waiting for a slot (>= 1).
+      max_queued: most accepted requests waiting for a slot (>= 1; see `waiting`).
       queue_timeout: seconds a request may wait for a slot (None: no limit).
       idle_wait: seconds the idle thread sleeps between looks at its inbox (it is also woken at once).
     """
@@ -159,7 +160,7 @@ class EngineWorker:
                 self._metrics.requests_rejected += 1
                 raise ShuttingDown(f"the engine failed: {self.error!r}" if self.error is not None else
                                    "the server is shutting down" if self._stopping else "the engine has stopped")
-            if len(self._inbox) + self._engine_pending >= self.max_queued:
+            if self._waiting() >= self.max_queued:
                 self._metrics.requests_rejected += 1
                 raise QueueFull(f"{self.max_queued} requests are already waiting (--max-queued-requests)")
             req.submitted_at = time.monotonic()
@@ -175,12 +176,23 @@ class EngineWorker:
             self._cancels.append((req, reason))
             self._lock.notify_all()
 
+    def waiting(self) -> int:
+        """Accepted requests that wait for a slot: those not yet admitted (in the inbox or the engine's queue)
+        beyond the slots free as of the engine thread's last look. A request handed to the engine while a slot is
+        free is not waiting, though it joins only at the next round."""
+        with self._lock:
+            return self._waiting()
+
+    def _waiting(self) -> int:  # under the lock
+        free = self.engine.cfg.num_slots - self._metrics.running
+        return max(0, len(self._inbox) + self._engine_pending - free)
+
     def metrics(self) -> Metrics:
         """A copy of the counters."""
         with self._lock:
             m = dataclasses.replace(self._metrics, requests_finished=dict(self._metrics.requests_finished),
                                     round_seconds_buckets=list(self._metrics.round_seconds_buckets))
-            m.waiting = len(self._inbox) + self._engine_pending
+            m.waiting = self._waiting()
             return m
 
     # ------------------------------------------------------------------------------------------ engine thread
@@ -197,6 +209,7 @@ class EngineWorker:
             new, cancels = list(self._inbox), list(self._cancels)
             self._inbox.clear()
             self._cancels.clear()
+            self._engine_pending += len(new)  # still counted until the thread reads the engine's queue again
             return new, cancels
 
     def _finish(self, req: GenerationRequest, reason: str) -> None:
