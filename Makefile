@@ -15,6 +15,9 @@ $(VENV)/.base: pyproject.toml
 
 $(VENV)/.test: $(VENV)/.base
 	$(PY) -m pip install -q -e '.[test,reference]'
+	# the speculators format's reference classes, without the CUDA torchvision its metadata pulls in (the
+	# reference extra lists what it imports)
+	$(PY) -m pip install -q --no-deps speculators==0.9.0
 	touch $@
 
 demo: $(VENV)/.base

@@ -76,6 +76,7 @@ from dspark_jax.models.llama import (
     first_argmax,
     forward_packed,
     grid_bucket,
+    PREFILL_CHUNKS,
     prefill,
     prefill_chunks,
 )
@@ -218,6 +219,11 @@ class EngineConfig:
     # Pages in the pool ("pages" layout); None: enough for every slot at full capacity. `cache.plan.plan_memory`
     # sizes it from a device's memory (``gpu_memory_utilization``).
     num_pages: int | None = None
+    # Tokens one step may run (vLLM's ``max_num_batched_tokens``): the running requests' tokens come first, and
+    # prompts are prefilled, chunk by chunk, in what is left, so a burst of long prompts slows the running
+    # streams by at most one budget a step instead of freezing them while it prefills. None: no budget (each
+    # prompt prefilled whole at admission).
+    max_num_batched_tokens: int | None = 512
 
     def __post_init__(self):
         object.__setattr__(self, "temperature", _checked_temperature(self.temperature))
@@ -227,6 +233,12 @@ class EngineConfig:
             raise ValueError(f"block_size: expected an integer >= 1, got {self.block_size!r}")
         if self.num_pages is not None and not (isinstance(self.num_pages, (int, np.integer)) and self.num_pages >= 1):
             raise ValueError(f"num_pages: expected None or an integer >= 1, got {self.num_pages!r}")
+        least = self.num_slots + PREFILL_CHUNKS[0]
+        if self.max_num_batched_tokens is not None and not (
+                isinstance(self.max_num_batched_tokens, (int, np.integer)) and self.max_num_batched_tokens >= least):
+            raise ValueError(f"max_num_batched_tokens: expected None or an integer >= num_slots + "
+                             f"{PREFILL_CHUNKS[0]} = {least} (every running request's token and a prefill chunk), "
+                             f"got {self.max_num_batched_tokens!r}")
         try:
             self.gate_config()
         except ValueError as err:  # name the field the caller set
@@ -381,6 +393,7 @@ class RoundStats:
     confidences: np.ndarray | None = None  # [active, G] calibrated confidences (with record_confidences)
     confidence_logits: np.ndarray | None = None  # [active, G] raw confidence logits (with record_confidences)
     finished: int = 0  # requests that finished in the round (admission included)
+    prefilled: int = 0  # prompt tokens prefilled in the step before the round
     drafted: bool = False  # the drafter ran this round
     context: int = 0  # committed tokens of the round's longest request (the cost model's L)
     requests: np.ndarray | None = None  # [active] the request id of each row
@@ -417,6 +430,18 @@ class Completion:
     output_ids: list[int]
     finished_by_stop: bool
     cancelled: bool = False  # ended by `Engine.cancel` (its output is what it had emitted by then)
+
+
+@dataclasses.dataclass
+class _Prefilling:
+    """A request whose prompt is being prefilled into its slot: ``done`` prompt tokens so far."""
+
+    rid: int
+    prompt: list[int]
+    max_new: int
+    sampling: SamplingParams
+    context: bool  # it gets the drafter's context
+    done: int = 0
 
 
 def _key(seed, stream: int, request, position):
@@ -594,6 +619,10 @@ class Engine:
         self.slot_length = np.zeros(S, np.int64)
         self.slot_context = np.zeros(S, bool)  # the request in the slot has the drafter's context
         self.slot_greedy = np.ones(S, bool)  # the request in the slot decodes greedily (temperature 0)
+        # Slots whose request is still being prefilled, chunk by chunk: slot -> `_Prefilling` (the slot is
+        # taken, its request not yet decoding).
+        self.prefilling: dict[int, _Prefilling] = {}
+        self._prefilled = 0  # prompt tokens prefilled by the current step
         self._extra_stops: dict[int, frozenset[int]] = {}  # request id -> its own stop token ids
         self._ignore_eos: set[int] = set()  # active or queued requests the engine's stop ids do not end
         self.admissions = {"context": 0, "no_context": 0}  # requests admitted with and without it
@@ -750,6 +779,7 @@ class Engine:
     def _release(self, slot: int) -> None:
         """Free ``slot`` (host mirror and device state); its cache rows are overwritten by the next admission."""
         self.slot_request[slot] = -1
+        self.prefilling.pop(slot, None)
         self.pages.release(slot)
         self.state = _free_slot(self.state, jnp.int32(slot))
 
@@ -779,35 +809,57 @@ class Engine:
                 self.on_token(rid, int(t))
 
     def _admit(self) -> int:
-        """Prefill queued requests into free slots and emit their first token; returns tokens emitted."""
+        """Queued requests take free slots (with the pages of their whole budget), prompts are prefilled within
+        the step's token budget (`EngineConfig.max_num_batched_tokens`, after one token per running request),
+        and every request whose prompt is done joins with its first token emitted. Returns tokens emitted."""
         free = [s for s in range(self.cfg.num_slots) if self.slot_request[s] < 0]
-        emitted = 0
-        load = int((self.slot_request >= 0).sum()) + min(len(free), len(self.pending))  # once these have joined
+        decoding = int((self.slot_request >= 0).sum()) - len(self.prefilling)
+        load = decoding + len(self.prefilling) + min(len(free), len(self.pending))  # once these have joined
         while free and self.pending:
             s = free[0]
             rid, prompt, max_new, sampling = self.pending[0]
             if not self.pages.reserve(s, len(prompt) + max_new + self.G + 1):
                 break  # waits, first in first out, for pages a finishing request gives back
             self.pending.popleft()
-            context = self._admission_context(load)
-            first, done = self._prefill(s, rid, prompt, max_new, sampling, context=context)
-            if self.drafter is not None:
-                self.admissions["context" if context else "no_context"] += 1
-            self._emit(rid, [first])
-            emitted += 1
-            if done:
-                self.pages.release(s)
-                self.requests[rid].finished_by_stop = self._eos_ends(rid, first) or (
-                    self._stop_cut(rid, [first]) is not None)
-                self._forget_stops(rid)
-                self.finished_ids.append(rid)
-                continue
             free.pop(0)
             self.slot_request[s] = rid
-            self.slot_length[s] = len(prompt)
-            self.slot_context[s] = context
-            self.slot_greedy[s] = self._row_sampling(rid, sampling)[0] == 0
+            self.prefilling[s] = _Prefilling(rid, prompt, max_new, sampling, self._admission_context(load))
+        budget = None if self.cfg.max_num_batched_tokens is None else self.cfg.max_num_batched_tokens - decoding
+        emitted = 0
+        for s in list(self.prefilling):  # in admission order
+            job = self.prefilling[s]
+            while job.done < len(job.prompt) and (budget is None or budget > 0):
+                take = len(job.prompt) - job.done if budget is None else min(len(job.prompt) - job.done, budget)
+                logits = self._prefill_chunk(s, job, take)
+                self._prefilled += take
+                budget = None if budget is None else budget - take
+            if job.done < len(job.prompt):
+                break
+            del self.prefilling[s]
+            emitted += self._join(s, job, logits)
         return emitted
+
+    def _join(self, slot: int, job: "_Prefilling", logits) -> int:
+        """A prefilled request's first token (from the prompt's last logits), then it decodes from ``slot`` (or
+        ends there, its budget one token or its first token a stop). Returns 1, the token emitted."""
+        rid, prompt = job.rid, job.prompt
+        first, done = self._first_token(slot, job, logits)
+        temp = self._row_sampling(rid, job.sampling)[0]
+        if self.drafter is not None:
+            self.admissions["context" if job.context else "no_context"] += 1
+        self._emit(rid, [first])
+        if done:
+            self.slot_request[slot] = -1
+            self.pages.release(slot)
+            self.requests[rid].finished_by_stop = self._eos_ends(rid, first) or (
+                self._stop_cut(rid, [first]) is not None)
+            self._forget_stops(rid)
+            self.finished_ids.append(rid)
+        else:
+            self.slot_length[slot] = len(prompt)
+            self.slot_context[slot] = job.context
+            self.slot_greedy[slot] = temp == 0
+        return 1
 
     def _admission_context(self, load: int) -> bool:
         """Whether a request joining now gets the drafter's context: not where the learned cut-off
@@ -826,39 +878,49 @@ class Engine:
             return temp, float(sampling.top_p), self.cfg.seed, rid
         return temp, float(sampling.top_p), int(sampling.seed), SEEDED_KEY_ID
 
-    def _prefill(self, slot: int, rid: int, prompt: list[int], max_new: int, sampling: SamplingParams | None = None,
-                 *, context: bool = True) -> tuple[int, bool]:
-        """Chunked prefill of the prompt into ``slot`` (target cache and, with ``context``, the drafter's);
-        first token."""
-        self.pages.ensure(slot, len(prompt))
+    def _first_token(self, slot: int, job: "_Prefilling", logits) -> tuple[int, bool]:
+        """Sample the first token and mark ``slot`` decoding on the device (or not: ``done``, the request ends
+        with it)."""
+        rid = job.rid
+        temp, top_p, seed, key_id = self._row_sampling(rid, job.sampling)
+        first = int(_sample_first(logits, jnp.int32(key_id), jnp.int32(len(job.prompt)), jnp.float32(temp),
+                                  jnp.float32(top_p), jnp.int32(seed), greedy=temp == 0))
+        done = job.max_new <= 1 or self._eos_ends(rid, first) or self._stop_cut(rid, [first]) is not None
+        self.state = _admit_slot(self.state, jnp.int32(slot), jnp.int32(key_id), jnp.int32(first),
+                                 jnp.int32(job.max_new), jnp.bool_(not done), jnp.int32(seed), jnp.float32(temp),
+                                 jnp.float32(top_p), jnp.bool_(rid not in self._ignore_eos))
+        return first, done
+
+    def _prefill_chunk(self, slot: int, job: "_Prefilling", take: int):
+        """Prefill the next ``take`` prompt tokens of ``job`` into ``slot`` (target cache and, with the job's
+        context, the drafter's), in chunks of `PREFILL_CHUNKS` sizes; returns the last chunk's logits [V]."""
+        ids = np.asarray(job.prompt[job.done : job.done + take], np.int32)
+        self.pages.ensure(slot, job.done + take)
         self._sync_block_tables()
         st = self.state
-        temp, top_p, seed, key_id = self._row_sampling(rid, sampling or SamplingParams())
-        logits, cache, dcache = self._prefill_caches(st.cache, st.dcache, slot, prompt,
-                                                     write_context=self.drafter is not None and context)
-        first = int(_sample_first(logits, jnp.int32(key_id), jnp.int32(len(prompt)), jnp.float32(temp),
-                                  jnp.float32(top_p), jnp.int32(seed), greedy=temp == 0))
-        finished = max_new <= 1 or self._eos_ends(rid, first) or self._stop_cut(rid, [first]) is not None
-        self.state = _admit_slot(st.replace(cache=cache, dcache=dcache), jnp.int32(slot), jnp.int32(key_id),
-                                 jnp.int32(first), jnp.int32(max_new), jnp.bool_(not finished), jnp.int32(seed),
-                                 jnp.float32(temp), jnp.float32(top_p), jnp.bool_(rid not in self._ignore_eos))
-        return first, finished
-
-    def _prefill_caches(self, cache, dcache, slot: int, prompt: Sequence[int], *, write_context: bool):
-        """Chunked prefill of ``prompt`` into ``slot`` from position 0: the target cache and, with
-        ``write_context``, the drafter's context. Returns (last logits, cache, dcache); both caches donated."""
-        ids = np.asarray(prompt, np.int32)
+        cache, dcache = st.cache, st.dcache
+        write_context = self.drafter is not None and job.context
         done = 0
-        for size, take in prefill_chunks(len(ids)):
+        for size, n in prefill_chunks(len(ids)):
             chunk = np.zeros(size, np.int32)
-            chunk[:take] = ids[done : done + take]
-            logits, extras, cache = prefill(self.target.weights, cache, chunk, jnp.int32(slot), jnp.int32(done),
-                                            jnp.int32(take), self.target.cfg, self._min_rows > 1)
+            chunk[:n] = ids[done : done + n]
+            start = job.done + done
+            logits, extras, cache = prefill(self.target.weights, cache, chunk, jnp.int32(slot), jnp.int32(start),
+                                            jnp.int32(n), self.target.cfg, self._min_rows > 1)
             if write_context:
                 dcache = _write_chunk_context(self.d_graph, self.d_state, dcache, extras.taps, jnp.int32(slot),
-                                              jnp.int32(done), jnp.int32(take), _block_tables(cache))
-            done += take
-        return logits, cache, dcache
+                                              jnp.int32(start), jnp.int32(n), _block_tables(cache))
+            done += n
+        self.state = st.replace(cache=cache, dcache=dcache)
+        job.done += take
+        return logits
+
+    def _prefill(self, slot: int, rid: int, prompt: list[int], max_new: int, sampling: SamplingParams | None = None,
+                 *, context: bool = True) -> None:
+        """Prefill a whole prompt into ``slot`` and sample its first token, emitting nothing (warm-up: the
+        programs of every chunk size)."""
+        job = _Prefilling(rid, prompt, max_new, sampling or SamplingParams(), context)
+        self._first_token(slot, job, self._prefill_chunk(slot, job, len(prompt)))
 
     def warm_up(self, max_prompt_tokens: int, *, sampled: bool | None = None) -> int:
         """Compile every program a run with prompts up to ``max_prompt_tokens`` can need (all row buckets,
@@ -938,8 +1000,11 @@ class Engine:
         compiles = compile_count()
         finished_before = len(self.finished_ids)
         was_active = self.slot_request >= 0
+        was_active[list(self.prefilling)] = False
+        self._prefilled = 0
         total = self._admit()
         active = self.slot_request >= 0
+        active[list(self.prefilling)] = False  # still prefilling: not decoding yet
         active_slots = np.flatnonzero(active)
         n = len(active_slots)
         if n == 0:
@@ -1024,7 +1089,7 @@ class Engine:
         stats = RoundStats(active=n, scheduled=lengths.astype(np.int64), accepted=accepted[:n].astype(np.int64),
                            emitted=total, batch_tokens=B, padded_tokens=T, seconds=seconds,
                            compiled=compile_count() != compiles, confidences=conf, confidence_logits=conf_logits,
-                           finished=len(self.finished_ids) - finished_before,
+                           finished=len(self.finished_ids) - finished_before, prefilled=self._prefilled,
                            drafted=drafted, context=longest, requests=row_requests)
         if self.record_tokens:
             stats.draft_tokens = np.asarray(d.tokens)[:n] if d is not None else None

@@ -230,3 +230,39 @@ def test_a_bf16_engine_never_casts_a_cache_or_the_lm_head_to_float32(tmp_path, l
     big = {(os.path.basename(f), m.group(1)) for f in programs for m in convert.finditer(open(f).read())
            if np.prod([int(x) for x in m.group(1).split("x")]) >= smallest}
     assert not big, f"float32 copies of cache- or LM-head-sized operands: {sorted(big)}"
+
+
+# ---------------------------------------------------------------------------------------------------- mixed steps
+@pytest.mark.parametrize("layout", ["slots", "pages"])
+@pytest.mark.parametrize("policy", ["none", "fixed:3", "dspark"])
+def test_prompts_prefilled_within_the_step_budget_keep_streams_decoding_and_exact(model, drafter, policy, layout):
+    """A burst of long prompts joins two decoding streams under a budget of 24 tokens a step: every step runs
+    the streams' round and prefills at most what the budget leaves, and every answer equals plain decoding."""
+    rng = np.random.default_rng(5)
+    short = [rng.integers(1, 64, 4).tolist() for _ in range(2)]
+    burst = [rng.integers(1, 64, n).tolist() for n in (40, 33, 45)]
+    stop = [5]
+    ref = [plain_generate(model, [p], b, 0.0, num_slots=1, stop_ids=stop, capacity=96)[0][0].output_ids
+           for p, b in zip(short + burst, [40, 40, 8, 8, 8])]
+    cfg = eng.EngineConfig(num_slots=4, capacity=96, kv_layout=layout, block_size=8, max_num_batched_tokens=24)
+    e = eng.Engine(model, drafter, policy, cfg, sps=SPS, stop_ids=stop)
+    ids = [e.submit(p, 40) for p in short]
+    e.step()
+    e.step()
+    ids += [e.submit(p, 8) for p in burst]
+    steps = []
+    while not e.idle():
+        streams = [i for i in ids[:2] if i not in e.finished_ids]
+        before = {i: len(e.requests[i].output_ids) for i in streams}
+        decoding = int((e.slot_request >= 0).sum()) - len(e.prefilling)
+        st = e.step()
+        steps.append(st)
+        assert st is not None and st.prefilled <= 24 - decoding
+        # a running stream emits in every step while the burst prefills
+        assert all(len(e.requests[i].output_ids) > before[i] for i in streams)
+    assert sum(st.prefilled for st in steps) == sum(map(len, burst))
+    assert max(st.prefilled for st in steps) > 0 and len([st for st in steps if st.prefilled]) >= 6
+    for i, r in zip(ids, ref):
+        assert e.requests[i].output_ids == r
+    with pytest.raises(ValueError, match="max_num_batched_tokens: expected None or an integer >= num_slots"):
+        eng.EngineConfig(num_slots=4, max_num_batched_tokens=16)
