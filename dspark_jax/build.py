@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.calibration import STSSets
-from dspark_jax.cli import model_path, nonnegative_int, temperature
+from dspark_jax.cli import fraction, model_path, nonnegative_int, positive_int, temperature
 from dspark_jax.drafters import prior_confidence, resolve_drafter, tapped_for
 from dspark_jax.engine import Engine, EngineConfig, parse_policy
 from dspark_jax.models.drafter import Drafter
@@ -162,7 +162,7 @@ def build_engine(target: LlamaModel, policy: str = "dspark", *, draft: str | Pat
                  sps: Any = None, num_slots: int = 16, max_prompt_tokens: int = 256, max_new_tokens: int = 256,
                  capacity: int | None = None, temperature: float = 0.0, seed: int = 0,
                  model_name: str | None = None, mesh: Any = None, allow_sps_mesh_mismatch: bool = False,
-                 **config: Any) -> Engine:
+                 gpu_memory_utilization: float = 0.9, **config: Any) -> Engine:
     """An engine for a loaded target.
 
     Args:
@@ -176,7 +176,11 @@ def build_engine(target: LlamaModel, policy: str = "dspark", *, draft: str | Pat
       model_name: the name SPS tables record for the target (default: SmolLM2's GGUF file name).
       mesh: optional ``(data, tensor)`` device mesh (`sharding.make_mesh`) the engine runs on.
       allow_sps_mesh_mismatch: use an SPS table measured on another mesh (otherwise refused).
-      **config: any other `EngineConfig` field.
+      gpu_memory_utilization: with the "pages" KV layout on a device that reports its memory (a GPU, a TPU) and
+        no ``num_pages``, the share of that memory for weights, drafter, a round's workspace and the page pool,
+        which gets the rest (`cache.plan.plan_memory`; at most every slot at full capacity).
+      **config: any other `EngineConfig` field (``kv_layout``, ``block_size``, ``num_pages``,
+        ``max_num_batched_tokens``, ...).
 
     With a target and a drafter of one's own (here tiny and random), speculative decoding gives exactly the
     plain greedy output:
@@ -212,9 +216,36 @@ def build_engine(target: LlamaModel, policy: str = "dspark", *, draft: str | Pat
         target = tapped_for(target, loaded.drafter)
     cfg = EngineConfig(num_slots=int(num_slots), capacity=int(capacity), temperature=float(temperature),
                        seed=int(seed), **config)
+    if cfg.num_pages is None:
+        pages = planned_pages(target, loaded.drafter.cfg if loaded is not None else None, cfg, mesh,
+                              gpu_memory_utilization)
+        if pages is not None:
+            cfg = dataclasses.replace(cfg, num_pages=pages)
     return Engine(target, loaded.drafter if loaded is not None else None, pol, cfg,
                   sts_temperatures=loaded.sts_temperatures if loaded is not None else None, sps=table, mesh=mesh,
                   allow_sps_mesh_mismatch=allow_sps_mesh_mismatch)
+
+
+def planned_pages(target: LlamaModel, drafter_cfg: Any, cfg: EngineConfig, mesh: Any,
+                  gpu_memory_utilization: float) -> int | None:
+    """Pages for a "pages" engine on a device that reports its memory: what `cache.plan.plan_memory` leaves
+    for the pool at ``gpu_memory_utilization``, at most every slot at full capacity; None elsewhere (the engine's
+    default: every slot at full capacity)."""
+    from dspark_jax.cache.pages import pages_for  # noqa: PLC0415
+    from dspark_jax.cache.plan import plan_memory  # noqa: PLC0415
+    from dspark_jax.device_check import device_memory_bytes  # noqa: PLC0415
+
+    device = mesh.devices.flat[0] if mesh is not None else next(iter(target.weights.embed.devices()))
+    if cfg.layout_for(device.platform, 1 if mesh is None else mesh.devices.size) != "pages":
+        return None
+    memory = device_memory_bytes(device)
+    if memory is None:
+        return None
+    plan = plan_memory(target.cfg, drafter_cfg, device_memory_bytes=memory,
+                       gpu_memory_utilization=gpu_memory_utilization, block_size=cfg.block_size,
+                       max_model_len=cfg.capacity, max_num_seqs=cfg.num_slots,
+                       max_num_batched_tokens=cfg.max_num_batched_tokens or cfg.capacity, dtype=target.dtype)
+    return min(plan.kv_pool_pages, cfg.num_slots * pages_for(cfg.capacity, cfg.block_size))
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, draft: bool = True) -> None:
@@ -242,6 +273,21 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, policy: str = "dspark") 
                    help="use an SPS table measured on another mesh than --data/--tensor-parallel-size's")
     p.add_argument("--temperature", type=temperature, default=0.0, help="0 means greedy")
     p.add_argument("--seed", type=nonnegative_int, default=0)
+    g = p.add_argument_group("KV cache and scheduling (vLLM's names)")
+    g.add_argument("--kv-layout", default="auto", choices=["auto", "pages", "slots"],
+                   help="auto: a page pool on one GPU/TPU (ragged paged attention kernels), dense per-slot caches on "
+                        "a CPU or a mesh")
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV page")
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                   help="share of the device's memory for weights, drafter, workspace and the page pool (pages layout)")
+    g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None,
+                   help="pages in the pool, instead of what --gpu-memory-utilization leaves")
+    g.add_argument("--max-num-batched-tokens", type=nonnegative_int, default=512,
+                   help="tokens a step may run: running requests first, prompts prefilled in chunks in the rest "
+                        "(0: each prompt whole at admission)")
+    g.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="positions one request may hold (prompt, answer and one block); default: from the prompt "
+                        "and answer limits")
 
 
 def engine_from_args(args: argparse.Namespace, target: LlamaModel, *, num_slots: int, max_prompt_tokens: int,
@@ -252,7 +298,10 @@ def engine_from_args(args: argparse.Namespace, target: LlamaModel, *, num_slots:
         from dspark_jax.sharding import mesh_from_args  # noqa: PLC0415
 
         mesh = mesh_from_args(args)
+    config = {"kv_layout": args.kv_layout, "block_size": args.block_size, "num_pages": args.num_gpu_blocks_override,
+              "max_num_batched_tokens": args.max_num_batched_tokens or None, **config}
     return build_engine(target, args.policy, draft=args.draft, sps=args.sps, num_slots=num_slots,
                         max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
+                        capacity=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                         temperature=args.temperature, seed=args.seed, model_name=target_name(args.model), mesh=mesh,
                         allow_sps_mesh_mismatch=getattr(args, "allow_sps_mesh_mismatch", False), **config)

@@ -21,7 +21,7 @@ import argparse
 import math
 from pathlib import Path
 
-__all__ = ["positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "temperature", "port",
+__all__ = ["positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "fraction", "temperature", "port",
            "existing_file", "writable_file", "model_path", "check_engine_arguments", "parse_with_quick"]
 
 
@@ -63,6 +63,18 @@ def positive_float(text: str) -> float:
 def nonnegative_float(text: str) -> float:
     """A finite number >= 0."""
     return _float(text, positive=False)
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1].
+
+    >>> fraction("0.9")
+    0.9
+    """
+    value = _float(text, positive=True)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
 
 
 def temperature(text: str) -> float:
@@ -111,7 +123,8 @@ def model_path(text: str) -> str:
 def check_engine_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The engine options (`build.add_engine_arguments`) checked before the model loads: the policy parses, an
     ``--sps`` file is an SPS table, a ``--draft`` that is not a shipped name is a drafter folder that fits
-    ``--model``. Errors go through ``p.error``."""
+    ``--model``, ``--max-num-batched-tokens`` leaves room for a prefill chunk beside every request's token.
+    Errors go through ``p.error``."""
     from dspark_jax.drafters import drafter_source, precheck_for_model  # noqa: PLC0415
     from dspark_jax.engine import parse_policy  # noqa: PLC0415
     from dspark_jax.sps import SPSTable  # noqa: PLC0415
@@ -125,6 +138,11 @@ def check_engine_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
             SPSTable.load(args.sps)
         except ValueError as e:
             p.error(f"--sps: {e}")
+    slots = getattr(args, "num_slots", None) or getattr(args, "concurrency", None)
+    budget = getattr(args, "max_num_batched_tokens", 0)
+    if budget and slots and budget < slots + 16:
+        p.error(f"--max-num-batched-tokens {budget}: expected 0 (no budget) or at least the request slots + 16 "
+                f"= {slots + 16} (every running request's token and a prefill chunk)")
     draft = getattr(args, "draft", None)
     if policy.drafts and draft is not None:
         try:

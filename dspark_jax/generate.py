@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=positive_int, help="use at most this many prompts from --prompts")
     p.add_argument("--max-new-tokens", type=positive_int, default=256)
     add_engine_arguments(p)
-    p.add_argument("--concurrency", "--num-slots", dest="concurrency", type=positive_int,
+    p.add_argument("--concurrency", "--num-slots", "--max-num-seqs", dest="concurrency", type=positive_int,
                    help="requests decoded together (default: min(prompts, 16), rounded up to a multiple of "
                         "--data-parallel-size)")
     p.add_argument("--json", dest="json_out", type=writable_file, help="write results and speed to this JSON file")

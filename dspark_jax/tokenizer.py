@@ -118,12 +118,13 @@ class Tokenizer:
 
     # -- text <-> ids -----------------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special: bool = False) -> list[int]:
+    def encode(self, text: str, add_special: bool = False, max_tokens: int | None = None) -> list[int]:
         """Token ids of `text`; special tokens written in the text (`<|im_start|>`...) map to their ids.
 
         add_special: add BOS/EOS where the file asks for them (tokenizer.ggml.add_bos_token/add_eos_token).
+        max_tokens: raise `TooManyTokens` for a text of more tokens (before its ids are listed).
         """
-        ids = self._tk.encode(text, add_special_tokens=False).ids
+        ids = encode_ids(self._tk, text, add_special=False, max_tokens=max_tokens)
         if add_special and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id] + ids
         if add_special and self.add_eos:
@@ -172,6 +173,28 @@ class Tokenizer:
 
     def stream(self, skip_special: bool = True, context: Sequence[int] = ()) -> "StreamDecoder":
         return StreamDecoder(self, skip_special, context)
+
+
+class TooManyTokens(ValueError):
+    """A text encoded to more tokens than asked for (``count``: how many, ``limit``: the most allowed)."""
+
+    def __init__(self, count: int, limit: int):
+        super().__init__(f"the text has {count} tokens, more than {limit}")
+        self.count, self.limit = count, limit
+
+
+def encode_ids(backend: _HFTokenizer, text: str, *, add_special: bool = False,
+               max_tokens: int | None = None) -> list[int]:
+    """Ids of ``text`` by a `tokenizers.Tokenizer` through ``encode_batch_fast`` (``encode_batch`` before
+    tokenizers 0.21): the same ids as ``encode``, but the Rust code releases the interpreter lock while it works
+    (``encode`` holds it, so a megabyte of text stalls every other thread, a server's event loop included) and
+    computes no character offsets (a long encoding is then cheap to free). More than ``max_tokens`` tokens raise
+    `TooManyTokens` before the ids become a Python list."""
+    encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    encoding = encode_batch([text], add_special_tokens=add_special)[0]
+    if max_tokens is not None and len(encoding) > max_tokens:
+        raise TooManyTokens(len(encoding), max_tokens)
+    return encoding.ids
 
 
 CONTEXT_TOKENS = 6  # prompt tokens a StreamDecoder decodes ahead of the stream (vLLM's detokenizer keeps 5)
@@ -345,13 +368,14 @@ class HFTokenizer:
         """The `tokenizers.Tokenizer` that encodes and decodes."""
         return self._tk
 
-    def encode(self, text: str, add_special: bool = False) -> list[int]:
+    def encode(self, text: str, add_special: bool = False, max_tokens: int | None = None) -> list[int]:
         """Token ids of `text`; special tokens written in the text map to their ids.
 
         add_special: add what the tokenizer adds around a sequence (tokenizer.json's post-processor; BOS/EOS
         where tokenizer_config.json's add_bos_token/add_eos_token ask for them).
+        max_tokens: raise `TooManyTokens` for a text of more tokens (before its ids are listed).
         """
-        ids = self._tk.encode(text, add_special_tokens=add_special).ids
+        ids = encode_ids(self._tk, text, add_special=add_special, max_tokens=max_tokens)
         if add_special and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id] + ids
         if add_special and self.add_eos and ids[-1:] != [self.eos_id]:

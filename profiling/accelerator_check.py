@@ -22,17 +22,10 @@ import jax.numpy as jnp
 
 from dspark_jax import device_check
 from dspark_jax.build import parse_dtype
-from dspark_jax.cli import positive_float, positive_int, writable_file
+from dspark_jax.cli import fraction, positive_float, positive_int, writable_file
 from dspark_jax.io import atomic_write_text
 from dspark_jax.models.presets import DRAFT_SHAPES, TARGET_SHAPES, draft_shape, target_shape
 from dspark_jax.timing import write_json
-
-
-def _fraction(text: str) -> float:
-    value = positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "from shapes alone: no device is touched")
     p.add_argument("--device-memory-gib", type=positive_float, default=None,
                    help="the device memory to plan for (default: what the device reports; --dry-run needs it)")
-    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV page")
     p.add_argument("--max-model-len", type=positive_int, default=8192)
     p.add_argument("--max-num-seqs", type=positive_int, default=64)

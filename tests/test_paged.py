@@ -19,7 +19,7 @@ from dspark_jax.models import drafter as dr
 from dspark_jax.models.llama import (LlamaConfig, LlamaModel, decode_step, forward_packed, init_cache,
                                      init_paged_cache, init_random_weights, prefill)
 from tests.helpers import assert_follows_law, count_compilations
-from tests.test_engine import POLICIES, SPS, exact_joint, make_drafter, make_model, prompts
+from tests.test_engine import POLICIES, SPS, drafter, exact_joint, make_drafter, make_model, model, prompts  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------------------------- the pool
@@ -130,16 +130,6 @@ def test_paged_drafter_cache_drafts_what_the_slot_cache_does():
 
 
 # ---------------------------------------------------------------------------------------------------- the engine
-@pytest.fixture(scope="module")
-def model():
-    return make_model()
-
-
-@pytest.fixture(scope="module")
-def drafter(model):
-    return make_drafter(model)
-
-
 def paged_config(**kw):
     return eng.EngineConfig(**{"num_slots": 3, "capacity": 64, "kv_layout": "pages", "block_size": 8, **kw})
 

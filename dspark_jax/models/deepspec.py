@@ -469,6 +469,18 @@ def load_deepspec_drafter(folder: str | os.PathLike, target_cfg=None, *, dtype: 
     return drafter, {"format": "deepspec", "source": str(folder), "config": hf}
 
 
+def writable_taps(cfg: DrafterConfig, refusals: list[str], target_layer_ids, who: str, fmt: str) -> tuple[int, ...]:
+    """The target layers a drafter written by ``who`` records (``target_layer_ids`` or its config's), after
+    raising ValueError with every one of ``refusals`` (what format ``fmt`` cannot hold)."""
+    if refusals:
+        raise ValueError(f"{who}: the {fmt} format cannot hold this drafter:" + "".join(f"\n  - {r}" for r in refusals))
+    taps = cfg.tap_layers if target_layer_ids is None else tuple(int(i) for i in target_layer_ids)
+    if taps is None or len(taps) != cfg.n_taps:
+        raise ValueError(f"{who}: target_layer_ids: expected the {cfg.n_taps} target layers the drafter reads "
+                         f"(its config records none)")
+    return taps
+
+
 def deepspec_refusals(cfg: DrafterConfig, *, mask_token_id: int | None = None) -> list[str]:
     """What a DeepSpec ``Qwen3DSparkModel`` folder cannot express of a drafter's config, one sentence each
     (empty: it can be written exactly)."""
@@ -519,14 +531,8 @@ def save_deepspec_drafter(drafter: Drafter, folder: str | os.PathLike, *, embed:
     """
     cfg = drafter.cfg
     folder = Path(folder)
-    refusals = deepspec_refusals(cfg, mask_token_id=mask_token_id)
-    if refusals:
-        raise ValueError("save_deepspec_drafter: the DeepSpec format cannot hold this drafter:"
-                         + "".join(f"\n  - {r}" for r in refusals))
-    taps = cfg.tap_layers if target_layer_ids is None else tuple(int(i) for i in target_layer_ids)
-    if taps is None or len(taps) != cfg.n_taps:
-        raise ValueError(f"save_deepspec_drafter: target_layer_ids: expected the {cfg.n_taps} target layers the "
-                         f"drafter reads (its config records none)")
+    taps = writable_taps(cfg, deepspec_refusals(cfg, mask_token_id=mask_token_id), target_layer_ids,
+                         "save_deepspec_drafter", "DeepSpec")
     if cfg.own_embeddings:
         emb, head = drafter.embed[...], drafter.lm_head[...]
     else:  # the drafter shares the target's

@@ -43,7 +43,7 @@ from dspark_jax.io import read_json_object
 from dspark_jax.models.deepspec import (MARKOV_HEADS, WEIGHTS, Tensor, check_drafter_fits, check_layer_ids,
                                         check_tensor_headers, config_field, file_tensors, qwen3_config,
                                         qwen3_layer_fields, read_drafter, sequential_head_fields, shared_tensor_map,
-                                        target_embedding_and_head, weight_files, write_checkpoint)
+                                        target_embedding_and_head, weight_files, writable_taps, write_checkpoint)
 from dspark_jax.models.drafter import Drafter, DrafterConfig
 
 __all__ = ["SPECULATORS_TYPES", "speculators_model_type", "speculators_drafter_config", "speculators_refusals",
@@ -280,14 +280,7 @@ def save_speculators_drafter(drafter: Drafter, folder: str | os.PathLike, *, emb
       ValueError: naming what the format cannot express or what is missing.
     """
     cfg = drafter.cfg
-    refusals = speculators_refusals(cfg)
-    if refusals:
-        raise ValueError("save_speculators_drafter: the speculators format cannot hold this drafter:"
-                         + "".join(f"\n  - {r}" for r in refusals))
-    taps = cfg.tap_layers if target_layer_ids is None else tuple(int(i) for i in target_layer_ids)
-    if taps is None or len(taps) != cfg.n_taps:
-        raise ValueError(f"save_speculators_drafter: target_layer_ids: expected the {cfg.n_taps} target layers the "
-                         f"drafter reads (its config records none)")
+    taps = writable_taps(cfg, speculators_refusals(cfg), target_layer_ids, "save_speculators_drafter", "speculators")
     W, V = cfg.draft_vocab, cfg.vocab_size
     store = jnp.dtype(dtype or drafter.ctx_proj.kernel[...].dtype)
     tensors = file_tensors(drafter, shared_tensor_map(cfg), store)

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=port, default=8000, help="TCP port (0: any free one)")
     p.add_argument("--served-model-name", help="the model id clients pass (default: the model file or folder "
                                                "name without its extension)")
-    p.add_argument("--num-slots", type=positive_int, default=16, help="requests decoded together")
+    p.add_argument("--num-slots", "--max-num-seqs", dest="num_slots", type=positive_int, default=16, help="requests decoded together")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=512,
                    help="longest prompt in tokens (sizes the cache; a longer one is refused with 400)")
     p.add_argument("--max-new-tokens", type=positive_int, default=256,

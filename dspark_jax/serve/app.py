@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import copy
 import hmac
 import json
 import os
@@ -52,6 +51,7 @@ from starlette.requests import ClientDisconnect
 
 from dspark_jax.engine import MAX_SEED, SamplingParams
 from dspark_jax.serve.worker import EngineWorker, Event, GenerationRequest, QueueFull, ShuttingDown, prometheus_text
+from dspark_jax.tokenizer import TooManyTokens
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TextStream", "create_app",
            "BackgroundServer", "server_config", "parse_body"]
@@ -339,7 +339,6 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
     capacity = engine.cfg.capacity - engine.G - 1  # prompt + output tokens a slot holds
     longest_prompt = capacity - 1 if max_prompt_tokens is None else min(int(max_prompt_tokens), capacity - 1)
     created = int(time.time())
-    encoder = _lock_free_encoder(tokenizer, longest_prompt)  # a longer text is refused before its ids are listed
     pool = concurrent.futures.ThreadPoolExecutor(cpu_threads or max(1, min(4, os.cpu_count() or 1)),
                                                  thread_name_prefix="dspark-http-cpu")
 
@@ -429,8 +428,9 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
 
     def encode(text: str, field: str, add_special: bool) -> list[int]:
         try:
-            return encoder.encode(text, add_special=add_special)
-        except _TooManyTokens as e:
+            # a longer text is refused before its ids are listed; the encoding releases the interpreter lock
+            return tokenizer.encode(text, add_special=add_special, max_tokens=longest_prompt)
+        except TooManyTokens as e:
             count = f"{e.count}" if not add_special else f"at least {e.count}"
             raise prompt_too_long(field, count) from None
 
@@ -637,49 +637,6 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
         return await run(request, body, ids, limit, chat=True)
 
     return app
-
-
-class _TooManyTokens(Exception):
-    """A text encoded to more tokens than the encoder takes (``count``: how many, before any BOS / EOS)."""
-
-    def __init__(self, count: int):
-        super().__init__(count)
-        self.count = count
-
-
-class _BatchEncoding:
-    """A `tokenizers.Tokenizer` whose ``encode`` runs through ``encode_batch_fast`` (``encode_batch`` before
-    tokenizers 0.21): the same ids, but the Rust code releases the interpreter lock while it works. ``encode``
-    holds it for the whole call, so a megabyte of text stalls every other thread, the event loop's included, for
-    the call's length even from a thread pool. The fast variant computes no character offsets, which also makes
-    a long encoding cheap to free (freeing half a million tokens' offsets holds the lock for about 60 ms). A text
-    of more than ``max_tokens`` tokens raises `_TooManyTokens` before its ids become a Python list (about 10 ms
-    for half a million)."""
-
-    def __init__(self, backend, max_tokens: int | None):
-        self._backend, self._max_tokens = backend, max_tokens
-        self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
-
-    def encode(self, text, add_special_tokens=True):
-        encoding = self._encode_batch([text], add_special_tokens=add_special_tokens)[0]
-        if self._max_tokens is not None and len(encoding) > self._max_tokens:
-            raise _TooManyTokens(len(encoding))
-        return encoding
-
-    def __getattr__(self, name):
-        return getattr(self._backend, name)
-
-
-def _lock_free_encoder(tokenizer, max_tokens: int | None = None):
-    """A shallow copy of ``tokenizer`` (`Tokenizer` or `HFTokenizer`, whose ``encode`` calls ``self._tk.encode``)
-    that encodes without holding the interpreter lock and raises `_TooManyTokens` for a text of more than
-    ``max_tokens`` tokens; ``tokenizer`` itself where it has no such backend."""
-    backend = getattr(tokenizer, "_tk", None)
-    if backend is None or not hasattr(backend, "encode_batch"):
-        return tokenizer
-    out = copy.copy(tokenizer)
-    out._tk = _BatchEncoding(backend, max_tokens)
-    return out
 
 
 class _BodyGuard:
