@@ -200,14 +200,15 @@ def test_bodies_are_bounded_and_parsed_off_the_event_loop(server):
     it comes in chunks. /health keeps answering within 100 ms meanwhile, and while a 2 MB prompt is tokenized
     (then refused as too long: the templates and the tokenizer run on a thread pool, and the tokenizer releases
     the interpreter lock)."""
-    from dspark_jax.serve.app import DEFAULT_MAX_REQUEST_BODY_BYTES, _lock_free_encoder
+    from dspark_jax.serve.app import DEFAULT_MAX_REQUEST_BODY_BYTES
+    from dspark_jax.tokenizer import TooManyTokens
 
     limit = DEFAULT_MAX_REQUEST_BODY_BYTES
     text = "<|im_start|>user\nThe colour of the sky is blue. Numbers 12 345, é, 漢字 🙂<|im_end|>\n" * 3
-    encoder = _lock_free_encoder(server.tok)
-    assert encoder is not server.tok
-    for special in (False, True):
-        assert encoder.encode(text, add_special=special) == server.tok.encode(text, add_special=special)
+    # the lock-free batch encoding gives the ids the tokenizer's own encode gives, and stops at max_tokens
+    assert server.tok.encode(text) == server.tok.backend.encode(text, add_special_tokens=False).ids
+    with pytest.raises(TooManyTokens, match="more than 10"):
+        server.tok.encode(text, max_tokens=10)
     big = "The colour of the sky is blue. " * 66000  # 2 MB of text: about half a million tokens
 
     def refuse_maximal_bodies():
