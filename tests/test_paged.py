@@ -58,6 +58,64 @@ def test_reservations_hold_pages_back_and_release_gives_them_back():
     pool.check()
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(1, 12), st.integers(0, 2)),
+                min_size=1, max_size=30),
+       st.integers(7, 14))
+def test_prefix_cache_shares_only_pages_of_the_same_prefix_and_never_loses_one(requests, num_pages):
+    """Requests whose prompts start with one of three shared prefixes come and go on a small pool: an attached
+    page always holds exactly the tokens the request would have written there, pages are counted by
+    references, cached pages are evicted oldest first when the pool runs short, and nothing is lost."""
+    ps, slots = 4, 3
+    pool = PagePool(num_pages=num_pages, page_size=ps, num_slots=slots, pages_per_slot=8, prefix_caching=True)
+    prefixes = [[1] * 9, [1] * 8 + [2] * 4, [3] * 6]
+    content: dict[int, list[int]] = {}  # page -> the tokens written into it (the device's contents, simulated)
+    live: dict[int, list[int]] = {}  # slot -> its tokens
+    for slot, prefix, tail, extra in requests:
+        slot %= slots
+        if slot in live:  # the request ends: its full pages stay cached
+            pool.publish(slot, live.pop(slot))
+            pool.release(slot)
+            pool.check()
+            continue
+        prompt = prefixes[prefix] + [9 + prefix] * tail
+        shared = pool.lookup(prompt)
+        assert len(shared) * ps < len(prompt)  # at least one token is left to compute
+        for j, page in enumerate(shared):  # what the request reads there is what it would have written
+            assert content[page] == prompt[j * ps:(j + 1) * ps]
+        if not pool.reserve(slot, len(prompt) + extra, shared=shared):
+            continue
+        pool.attach(slot, shared)
+        pool.ensure(slot, len(prompt) + extra)
+        tokens = prompt + [20 + extra] * extra
+        for j in range(len(shared), pages_for(len(tokens), ps)):  # the request writes its own pages
+            content[int(pool.block_tables[slot, j])] = tokens[j * ps:(j + 1) * ps]
+        pool.publish(slot, tokens)
+        live[slot] = tokens
+        pool.check()
+    for slot in list(live):
+        pool.release(slot)
+    pool.check()
+    assert pool.used_pages == 0 and pool.free_pages == num_pages
+
+
+def test_cached_pages_are_evicted_least_recently_used_first():
+    pool = PagePool(num_pages=4, page_size=2, num_slots=1, pages_per_slot=4, prefix_caching=True)
+    for prompt in ([1, 1, 5], [2, 2, 5], [3, 3, 5]):  # each leaves one published page cached
+        assert pool.reserve(0, 4, shared=pool.lookup(prompt))
+        pool.ensure(0, 4)
+        pool.publish(0, prompt)
+        pool.release(0)
+    assert pool.cached_pages == 3 and pool.free_pages == 4
+    assert pool.lookup([1, 1, 5]) and pool.lookup([3, 3, 5])
+    assert pool.reserve(0, 8) and pool.ensure(0, 8)  # needs all 4 pages: one free, then the oldest cached ones
+    assert pool.evictions == 3 and not pool.lookup([1, 1, 5]) and not pool.lookup([3, 3, 5])
+    pool.release(0)
+    pool.check()
+    with pytest.raises(ValueError, match="contiguous"):
+        PagePool(num_pages=4, page_size=2, num_slots=1, pages_per_slot=4, contiguous=True, prefix_caching=True)
+
+
 # ---------------------------------------------------------------------------------------------------- the model
 def _shuffled_pool(cfg, slots, pages_per_slot, page_size, seed=0):
     rng = np.random.default_rng(seed)

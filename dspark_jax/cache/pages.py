@@ -9,6 +9,16 @@ allocated only as tokens arrive, so a running request never waits for a page and
 while pages a request never reaches stay free for the prefix cache and for requests that stop early to give
 back.
 
+With ``prefix_caching`` (the prefix cache's host side), a page whose positions a request has filled with tokens
+is *published* under a key chained from every token up to its end (`page_keys`: equal pages under different
+prefixes never share a key), and a later request whose prompt starts with the same full pages *attaches* them
+instead of prefilling them: they are shared, read-only (a request writes only past its committed length, and
+published pages lie wholly below it), counted by references. A published page nobody references stays cached,
+least recently used first out, until the pool needs it: allocation takes a never-used or evicted page first,
+then evicts the oldest cached one. Pages hold the drafter's context beside the target's K/V (same page ids),
+so an attached prefix drafts as if it had been prefilled; a page written without the drafter's context is
+published under another namespace.
+
 ``contiguous`` pools give slot ``s`` the fixed pages ``s * pages_per_slot + j``: the block table is the
 identity and the pool, reshaped, is one dense run per slot, read in place by the CPU's XLA path (a gather of
 pages costs XLA:CPU several times the attention's own read; docs/design.md). Allocation is then only counted.
@@ -18,9 +28,13 @@ Axis legend: S slots, N pages per slot (``pages_per_slot``), P pages in the pool
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
 import numpy as np
 
-__all__ = ["PagePool", "pages_for"]
+__all__ = ["PagePool", "pages_for", "page_keys"]
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -32,6 +46,22 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-int(tokens) // int(page_size))
 
 
+def page_keys(tokens: Sequence[int], page_size: int, namespace: bytes = b"") -> list[bytes]:
+    """Keys of the full pages of ``tokens``: key j digests key j - 1 and page j's tokens (BLAKE2b, 128 bits), so
+    it names the whole prefix up to the page's end; ``namespace`` separates caches that must not mix.
+
+    >>> a, b = page_keys([1, 2, 3, 4, 5], 2), page_keys([9, 2, 3, 4], 2)
+    >>> len(a), a[1] == b[1], page_keys([1, 2, 3, 4], 2) == a
+    (2, False, True)
+    """
+    keys, parent = [], namespace
+    ids = np.asarray(tokens, np.int64)
+    for j in range(len(ids) // page_size):
+        parent = hashlib.blake2b(parent + ids[j * page_size:(j + 1) * page_size].tobytes(), digest_size=16).digest()
+        keys.append(parent)
+    return keys
+
+
 class PagePool:
     """Pages of one pool (every layer of the target and the drafter share the page ids), over ``num_slots``
     slots of at most ``pages_per_slot`` pages each.
@@ -41,10 +71,18 @@ class PagePool:
     (True, True, [0, 1], 3)
     >>> pool.reserve(1, 16), pool.release(0), pool.free_pages
     (False, None, 6)
+
+    With a prefix cache, a second request with the same first page attaches it:
+
+    >>> pool = PagePool(num_pages=6, page_size=4, num_slots=2, pages_per_slot=4, prefix_caching=True)
+    >>> _ = pool.reserve(0, 9), pool.ensure(0, 9), pool.publish(0, [7, 7, 7, 7, 8, 8, 8, 8, 9])
+    >>> pages = pool.lookup([7, 7, 7, 7, 8, 8, 1, 1])  # one full page in common
+    >>> pages, pool.reserve(1, 8, shared=pages), pool.attach(1, pages), int(pool.refs[pages[0]])
+    ([0], True, None, 2)
     """
 
     def __init__(self, *, num_pages: int, page_size: int, num_slots: int, pages_per_slot: int,
-                 contiguous: bool = False):
+                 contiguous: bool = False, prefix_caching: bool = False):
         for name, v in (("num_pages", num_pages), ("page_size", page_size), ("num_slots", num_slots),
                         ("pages_per_slot", pages_per_slot)):
             if int(v) < 1:
@@ -55,6 +93,15 @@ class PagePool:
         self.num_pages, self.page_size = int(num_pages), int(page_size)
         self.num_slots, self.pages_per_slot = int(num_slots), int(pages_per_slot)
         self.contiguous = bool(contiguous)
+        if prefix_caching and contiguous:
+            raise ValueError("prefix_caching shares pages between slots: a contiguous pool (fixed pages per slot) "
+                             "cannot")
+        self.prefix_caching = bool(prefix_caching)
+        self.refs = np.zeros(num_pages, np.int64)  # block-table entries holding each page (non-contiguous pools)
+        self._page_of: dict[bytes, int] = {}  # published key -> page
+        self._key_of: dict[int, bytes] = {}  # page -> its published key
+        self._cached: OrderedDict[int, None] = OrderedDict()  # published pages nobody holds, oldest first
+        self.evictions = 0
         # Unallocated entries point at page 0: a valid page that no live position of the slot reads.
         self.block_tables = np.zeros((num_slots, pages_per_slot), np.int32)
         if self.contiguous:
@@ -68,8 +115,13 @@ class PagePool:
 
     # ------------------------------------------------------------------ counts
     @property
+    def cached_pages(self) -> int:
+        """Published pages no request holds (evictable)."""
+        return len(self._cached)
+
+    @property
     def free_pages(self) -> int:
-        """Pages neither allocated nor promised."""
+        """Pages neither allocated nor promised (cached pages count: they are evicted when needed)."""
         return int(self._free_count - (self.reserved - self.held).sum())
 
     @property
@@ -88,9 +140,10 @@ class PagePool:
         return need <= self.pages_per_slot and need <= self.num_pages
 
     # ------------------------------------------------------------------ slots
-    def reserve(self, slot: int, tokens: int) -> bool:
-        """Promise ``slot`` (empty) the pages of ``tokens`` positions; False, changing nothing, when the pool
-        cannot back them now. ValueError when it never could (`fits`)."""
+    def reserve(self, slot: int, tokens: int, shared: Sequence[int] = ()) -> bool:
+        """Promise ``slot`` (empty) the pages of ``tokens`` positions, of which ``shared`` (from `lookup`, to be
+        `attach`-ed next) exist already; False, changing nothing, when the pool cannot back them now.
+        ValueError when it never could (`fits`)."""
         if self.reserved[slot] or self.held[slot]:
             raise ValueError(f"reserve: slot {slot} still holds a request (release it first)")
         if not self.fits(tokens):
@@ -98,10 +151,65 @@ class PagePool:
                              f"{self.page_size}; a slot holds at most {self.pages_per_slot} and the pool "
                              f"{self.num_pages}")
         need = pages_for(tokens, self.page_size)
-        if need > self.free_pages:
+        # a shared page someone holds costs nothing; a cached one leaves the evictable pages
+        new = need - sum(1 for p in shared if self.refs[p] > 0)
+        if new > self.free_pages:
             return False
         self.reserved[slot] = need
         return True
+
+    def lookup(self, tokens: Sequence[int], namespace: bytes = b"") -> list[int]:
+        """Pages holding the longest run of ``tokens``' full pages that is published, leaving at least the last
+        token to compute (its logits give the next token): attach them instead of prefilling them."""
+        if not self.prefix_caching or len(tokens) < 2:
+            return []
+        pages = []
+        for key in page_keys(tokens[: len(tokens) - 1], self.page_size, namespace):
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def attach(self, slot: int, pages: Sequence[int]) -> None:
+        """``slot`` (reserved, holding nothing yet) starts with ``pages``, shared and read-only."""
+        if self.held[slot]:
+            raise ValueError(f"attach: slot {slot} already holds pages")
+        for j, page in enumerate(pages):
+            if self.refs[page] == 0:  # a cached page is taken out of the evictable ones
+                self._cached.pop(page)
+                self._free_count -= 1
+            self.refs[page] += 1
+            self.block_tables[slot, j] = page
+        self.held[slot] = len(pages)
+        self.reserved[slot] = max(int(self.reserved[slot]), len(pages))
+        if len(pages):
+            self.version += 1
+
+    def publish(self, slot: int, tokens: Sequence[int], namespace: bytes = b"") -> int:
+        """Publish ``slot``'s full pages whose positions ``tokens`` (its committed tokens, from position 0)
+        fill; a key already published keeps its page. Returns pages newly published."""
+        if not self.prefix_caching:
+            return 0
+        keys = page_keys(tokens, self.page_size, namespace)[: int(self.held[slot])]
+        added = 0
+        for j, key in enumerate(keys):
+            page = int(self.block_tables[slot, j])
+            if key in self._page_of or page in self._key_of:
+                continue
+            self._page_of[key] = page
+            self._key_of[page] = key
+            added += 1
+        return added
+
+    def _take(self) -> int:
+        """A page for a slot to write: a never-used or evicted one, else the least recently cached (evicted)."""
+        if self._free:
+            return self._free.pop()
+        page, _ = self._cached.popitem(last=False)
+        del self._page_of[self._key_of.pop(page)]
+        self.evictions += 1
+        return page
 
     def ensure(self, slot: int, tokens: int) -> bool:
         """Allocate pages so that ``slot``'s first ``tokens`` positions are backed (within its reservation,
@@ -119,7 +227,9 @@ class PagePool:
                                f"pool has {self.free_pages} free")
         for j in range(have, need):
             if not self.contiguous:
-                self.block_tables[slot, j] = self._free.pop()
+                page = self._take()
+                self.refs[page] = 1
+                self.block_tables[slot, j] = page
         self._free_count -= need - have
         self.held[slot] = need
         self.reserved[slot] = max(int(self.reserved[slot]), need)
@@ -131,8 +241,17 @@ class PagePool:
         """Return every page of ``slot`` and its reservation to the pool."""
         have = int(self.held[slot])
         if not self.contiguous:
-            self._free.extend(reversed(self.block_tables[slot, :have].tolist()))
-        self._free_count += have
+            for page in reversed(self.block_tables[slot, :have].tolist()):
+                self.refs[page] -= 1
+                if self.refs[page] > 0:  # another request still reads it
+                    continue
+                self._free_count += 1
+                if page in self._key_of:  # stays cached until the pool needs it
+                    self._cached[page] = None
+                else:
+                    self._free.append(page)
+        else:
+            self._free_count += have
         self.held[slot] = 0
         self.reserved[slot] = 0
         if not self.contiguous and have:
@@ -140,11 +259,19 @@ class PagePool:
             self.version += 1
 
     def check(self) -> None:
-        """Invariants (tests): every page either free or held by exactly one slot."""
+        """Invariants (tests): every page is free, cached or held, and held pages are counted by references."""
         held = [int(p) for s in range(self.num_slots) for p in self.block_tables[s, : self.held[s]]]
-        assert len(set(held)) == len(held), "a page is held twice"
-        assert len(held) + self._free_count == self.num_pages, "pages lost"
-        if not self.contiguous:
-            assert not set(held) & set(self._free), "a held page is also free"
-            assert self._free_count == len(self._free)
         assert (self.reserved >= self.held).all() and self.free_pages >= 0
+        if self.contiguous:
+            assert len(set(held)) == len(held) and len(held) + self._free_count == self.num_pages, "pages lost"
+            return
+        counts = np.bincount(np.asarray(held, np.int64), minlength=self.num_pages)
+        assert (counts == self.refs).all(), "references do not count the block tables"
+        if not self.prefix_caching:
+            assert counts.max(initial=0) <= 1, "a page is held twice without a prefix cache"
+        in_use, free, cached = set(held), set(self._free), set(self._cached)
+        assert not (in_use & free) and not (in_use & cached) and not (free & cached), "a page in two states"
+        assert len(in_use) + len(free) + len(cached) == self.num_pages, "pages lost"
+        assert self._free_count == len(free) + len(cached)
+        assert set(self._key_of) >= cached and not (set(self._key_of) & free), "the index and the pages disagree"
+        assert all(self._key_of[p] == k for k, p in self._page_of.items())
