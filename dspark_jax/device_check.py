@@ -118,21 +118,26 @@ def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
 
 def run_check(target_cfg: LlamaConfig, draft_cfg: DrafterConfig, *, name: str, settings: CheckSettings = FULL,
               dtype: Any = jnp.bfloat16, device_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-              progress: Callable[[str], None] | None = print) -> dict[str, Any]:
+              kv_layout: str = "auto", progress: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Run every measurement of the check on the default device; returns a JSON-ready dict.
 
     Args:
       target_cfg, draft_cfg: the shapes; ``name``: their label in the report.
       settings: what to measure (`FULL` on an accelerator, `TINY` for a CPU test).
       dtype: weights' dtype; device_memory: bytes for the plan (default: the device's own, else none planned).
+      kv_layout: the caches the target's steps read ("auto": what an engine picks on this device, pages on one
+        GPU or TPU, dense slots on a CPU).
     """
     from dspark_jax import measure, stages  # noqa: PLC0415 (measure imports the engine's building blocks)
 
+    from dspark_jax.engine import EngineConfig  # noqa: PLC0415
+
     say = progress or (lambda _: None)
+    layout = EngineConfig(kv_layout=kv_layout).layout_for(jax.devices()[0].platform, 1)
     started, c0, s0 = time.perf_counter(), compile_count(), compile_seconds()
     out: dict[str, Any] = {"name": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                            "device": device_info(), "dtype": jnp.dtype(dtype).name,
-                           "settings": dataclasses.asdict(settings)}
+                           "settings": dataclasses.asdict(settings), "kv_layout": layout}
     memory = device_memory if device_memory is not None else device_memory_bytes()
     if memory is not None:
         try:
@@ -149,7 +154,8 @@ def run_check(target_cfg: LlamaConfig, draft_cfg: DrafterConfig, *, name: str, s
     out["copy_bandwidth_gb_s"] = bw / 1e9
     weights, kv_tok = target_bytes(target_cfg, dtype), kv_bytes_per_token(target_cfg, None, dtype)
     rows = stages.target_step_rows(target.weights, target_cfg, slots=settings.slots, contexts=(settings.context,),
-                                   per_slot=(1, draft_cfg.block + 1), repeats=settings.repeats, progress=say)
+                                   per_slot=(1, draft_cfg.block + 1), repeats=settings.repeats, progress=say,
+                                   kv_layout=layout)
     for r in rows:  # what the step must read at least: every weight once, every held K/V once
         floor_s = (weights + r["slots"] * (r["context"] + r["per_slot"]) * kv_tok) / bw
         r["bandwidth_floor_ms"] = 1e3 * floor_s
@@ -178,7 +184,8 @@ def report_markdown(result: dict[str, Any]) -> str:
     dev = result["device"]
     lines = [f"# Accelerator check: {dev['device_kind']} ({dev['backend']})", "",
              f"`python -m profiling.accelerator_check` on {result['date']}: {result['name']}, random weights in "
-             f"{result['dtype']}, jax {dev['jax_version']}, {dev['device_count']} device(s), host {dev['host']}. "
+             f"{result['dtype']}, {result['kv_layout']} KV caches, jax {dev['jax_version']}, {dev['device_count']} "
+             f"device(s), host {dev['host']}. "
              f"{result['seconds']:.0f} s in all; {result['compiles']} compilations taking "
              f"{result['compile_seconds']:.1f} s.", ""]
     if "plan" in result:

@@ -34,6 +34,7 @@ from dspark_jax import scheduler
 from dspark_jax.models.drafter import Drafter, draft, draft_head_weights, init_drafter_cache, write_context
 from dspark_jax.models.llama import (BUCKETS, LayerWeights, LlamaConfig, LlamaModel, LlamaWeights, bucket_for,
                                      context_bucket, decode_step, forward_packed, grid_bucket, init_cache,
+                                     init_paged_cache,
                                      logits_from_hidden, rms_norm)
 from dspark_jax.timing import interleaved
 
@@ -83,16 +84,26 @@ def _floor_thunk(weights: LlamaWeights, cfg: LlamaConfig, tokens: int) -> Callab
     return lambda: weights_only_forward(weights, ids, cfg)
 
 
-def _held_cache(weights, cfg, *, slots: int, capacity: int, context: int, cache_dtype=None):
-    """A cache of ``slots`` slots that each hold ``context`` tokens, in ``cache_dtype`` (default: the weights')."""
+def _held_cache(weights, cfg, *, slots: int, capacity: int, context: int, cache_dtype=None, kv_layout: str = "slots",
+                page_size: int = 16):
+    """A cache of ``slots`` slots that each hold ``context`` tokens, in ``cache_dtype`` (default: the weights'):
+    dense per slot (``kv_layout`` "slots") or a page pool whose pages are dealt to the slots in a shuffled order
+    ("pages": a block table as an allocator leaves it)."""
     dtype = weights.embed.dtype if cache_dtype is None else cache_dtype
-    return init_cache(cfg, slots, capacity, dtype).replace(lengths=jnp.full((slots,), context, jnp.int32))
+    lengths = jnp.full((slots,), context, jnp.int32)
+    if kv_layout == "slots":
+        return init_cache(cfg, slots, capacity, dtype).replace(lengths=lengths)
+    per_slot = -(-capacity // page_size)
+    tables = np.random.default_rng(0).permutation(slots * per_slot).astype(np.int32).reshape(slots, per_slot)
+    return init_paged_cache(cfg, slots, num_pages=slots * per_slot, page_size=page_size, pages_per_slot=per_slot,
+                            dtype=dtype, block_tables=tables).replace(lengths=lengths)
 
 
-def _decode_thunk(weights, cfg, *, slots: int, context: int, window: int, capacity: int, cache_dtype=None):
+def _decode_thunk(weights, cfg, *, slots: int, context: int, window: int, capacity: int, cache_dtype=None,
+                  kv_layout: str = "slots"):
     """Plain decode of one token in each of ``slots`` slots that hold ``context`` tokens (it stays there)."""
     state = {"cache": _held_cache(weights, cfg, slots=slots, capacity=capacity, context=context,
-                                  cache_dtype=cache_dtype)}
+                                  cache_dtype=cache_dtype, kv_layout=kv_layout)}
     tokens, active = jnp.zeros((slots,), jnp.int32), jnp.ones((slots,), bool)
 
     def step():
@@ -104,7 +115,7 @@ def _decode_thunk(weights, cfg, *, slots: int, context: int, window: int, capaci
 
 
 def _verify_thunk(weights, cfg, *, rows: int, per_row: int, max_per_slot: int, context: int, window: int,
-                  capacity: int, cache_dtype=None):
+                  capacity: int, cache_dtype=None, kv_layout: str = "slots"):
     """Packed verification as the engine runs it: ``per_row`` tokens of each of ``rows`` requests (slots
     0..R-1) at positions L, L + 1, ..., padded to a bucket; the grid of ``max_per_slot`` cells per row."""
     n = rows * per_row
@@ -116,7 +127,7 @@ def _verify_thunk(weights, cfg, *, rows: int, per_row: int, max_per_slot: int, c
     valid = jnp.asarray(idx < n)
     row_slots = jnp.arange(rows, dtype=jnp.int32)
     state = {"cache": _held_cache(weights, cfg, slots=rows, capacity=capacity, context=context,
-                                  cache_dtype=cache_dtype)}
+                                  cache_dtype=cache_dtype, kv_layout=kv_layout)}
 
     def step():
         logits, _, state["cache"] = forward_packed(weights, state["cache"], tokens, slots, positions, valid, cfg,
@@ -129,7 +140,7 @@ def _verify_thunk(weights, cfg, *, rows: int, per_row: int, max_per_slot: int, c
 def target_step_rows(weights: LlamaWeights, cfg: LlamaConfig, *, slots: Sequence[int] = (1, 4, 16, 64),
                      contexts: Sequence[int] = (256, 1024), per_slot: Sequence[int] = (1, 8), repeats: int = 5,
                      burst: int = 2, progress: Callable[[str], None] | None = None,
-                     cache_dtype: Any = None) -> list[dict[str, Any]]:
+                     cache_dtype: Any = None, kv_layout: str = "slots") -> list[dict[str, Any]]:
     """The target's decode and verification steps beside the weights-only floor at the same token count.
 
     For every context L and slot count S: the decode step (``per_slot`` 1: one token per slot,
@@ -144,6 +155,8 @@ def target_step_rows(weights: LlamaWeights, cfg: LlamaConfig, *, slots: Sequence
         repeats: timed calls of each thunk; burst: calls per turn, the last timed (:func:`interleaved`).
         progress: called with a label before each group (e.g. ``print``).
         cache_dtype: the KV cache's dtype (default: the weights'); the floor holds no cache.
+        kv_layout: "slots" (dense caches, read in place) or "pages" (a page pool read through the block table,
+          by the ragged paged attention kernel of the backend: what the engine runs on one GPU or TPU).
     Returns:
         rows ``{"kind": "decode" | "verify", "slots", "context", "per_slot", "tokens", "window", "step_ms",
         "floor_ms", "ratio"}``; ratio = step / floor.
@@ -159,11 +172,11 @@ def target_step_rows(weights: LlamaWeights, cfg: LlamaConfig, *, slots: Sequence
                 window = context_bucket(L + M, capacity)
                 if M == 1:
                     thunks["step:1"] = _decode_thunk(weights, cfg, slots=S, context=L, window=window,
-                                                     capacity=capacity, cache_dtype=cache_dtype)
+                                                     capacity=capacity, cache_dtype=cache_dtype, kv_layout=kv_layout)
                 else:
                     thunks[f"step:{M}"] = _verify_thunk(weights, cfg, rows=S, per_row=M, max_per_slot=M, context=L,
                                                         window=window, capacity=capacity,
-                                                        cache_dtype=cache_dtype)
+                                                        cache_dtype=cache_dtype, kv_layout=kv_layout)
                 meta[M] = (S * M, window)
                 thunks.setdefault(f"floor:{S * M}", _floor_thunk(weights, cfg, S * M))
             times = interleaved(thunks, repeats=repeats, burst=burst)

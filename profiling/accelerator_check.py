@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
     p.add_argument("--json", type=writable_file, default=None, help="where to write the result as JSON")
     p.add_argument("--tiny", action="store_true", help="a tiny random model and small settings (CPU tests)")
+    p.add_argument("--kv-layout", default="auto", choices=["auto", "pages", "slots"],
+                   help="the caches the target's steps read (auto: the engine's choice for this device)")
     p.add_argument("--out", default="docs/benchmarks", help="folder of the report (<device>.md and .json)")
     args = p.parse_args(argv)
     if args.dry_run and args.device_memory_gib is None:
@@ -81,7 +83,8 @@ def main(argv=None) -> None:
         name = f"{args.target_shape} + {args.draft_shape}"
     memory = None if args.device_memory_gib is None else int(args.device_memory_gib * device_check.GIB)
     result = device_check.run_check(target_cfg, draft_cfg, name=name, settings=settings, dtype=dtype,
-                                    device_memory=memory, gpu_memory_utilization=args.gpu_memory_utilization)
+                                    device_memory=memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                                    kv_layout=args.kv_layout)
     stem = Path(args.out) / (device_slug(result["device"]["device_kind"]) + ("-tiny" if args.tiny else ""))
     write_json(args.json or stem.with_suffix(".json"), result)
     atomic_write_text(stem.with_suffix(".md"), device_check.report_markdown(result))

@@ -66,7 +66,7 @@ def test_dry_run_needs_the_device_memory(capsys):
 
 @pytest.mark.slow
 def test_the_tiny_check_runs_every_measurement_and_writes_its_report(tmp_path):
-    accelerator_check.main(["--tiny", "--out", str(tmp_path), "--device-memory-gib", "1"])
+    accelerator_check.main(["--tiny", "--out", str(tmp_path), "--device-memory-gib", "1", "--kv-layout", "pages"])
     result = json.loads((tmp_path / "cpu-tiny.json").read_text())
     report = (tmp_path / "cpu-tiny.md").read_text()
     assert result["plan"]["kv_pool_tokens"] > 0
@@ -77,3 +77,4 @@ def test_the_tiny_check_runs_every_measurement_and_writes_its_report(tmp_path):
     assert {r["round"] for r in result["round_prices"]} == {"round none", "round fixed:3"}
     assert result["sps_table"]["points"]
     assert "## Target steps against the floors" in report and "Quick SPS table" in report
+    assert result["kv_layout"] == "pages" and "pages KV caches" in report
