@@ -2,23 +2,28 @@
 
 A fixed number of request slots S share one target KV cache and one drafter context cache. Requests join
 free slots (chunked prefill), decode in rounds and leave on EOS or their token limit, so the batch changes
-every round. A round runs as two jitted programs with static shapes:
+every round. A round runs as two jitted programs with static shapes, each taking a frozen static spec
+(`RoundSpec`) and one pytree of the engine's constant inputs (`RoundInputs`):
 
 1. ``draft_and_schedule`` (per row bucket R): the drafter's backbone pass and sequential sampling scan for
    the active rows, calibrated confidences, and the scheduling policy -> verification lengths [R];
-2. ``verify_and_commit`` (per row bucket R, token bucket T and attention window): pack only the scheduled
-   tokens of every active row into one flat batch of T tokens, run the target once, accept with
-   `verify.speculative_accept` (or `greedy_accept` at temperature 0), commit the accepted prefix to the
-   target cache and the drafter's context cache, and emit tokens.
+2. ``verify_and_commit`` (per row bucket R and token bucket T): pack only the scheduled tokens of every
+   active row into one flat batch of T tokens, run the target once, accept with `verify.speculative_accept`
+   (or the argmax at temperature 0), commit the accepted prefix to the target cache and the drafter's context
+   cache, and emit tokens.
 
+Everything else is an array, so few programs serve a whole run (`Engine.round_shapes`; at 64 slots of 8192
+positions, 33 verification programs and 7 draft programs): the attention reads the caches in parts up to the
+round's longest context (`llama.over_context`), a round whose requests are all greedy skips the sampling work
+under ``lax.cond``, and a round where no request has the drafter's context skips its context write and the gate.
 Between the two the host reads one scalar, the batch size B, to pick the token bucket T (the shape of the
-second program); everything else stays on the device. With the ``dspark`` policies the second program also
-decides whether drafting will pay in the next round for the same requests (the drafter gate, `dspark_jax.gate`:
-the engine only calls its pure functions and keeps its state); when it will
+second program); everything else stays on the device. With the ``dspark`` policies a small program after the
+second decides whether drafting will pay in the next round for the same requests (the drafter gate,
+`dspark_jax.gate`: the engine only calls its pure functions and keeps its state); when it will
 not and nobody joined, the next round skips the first program and its host read: a plain round of a
 drafting engine costs a plain round plus the drafter's context update. Where the gate's estimate stays below
 its bar long enough at a load, the drafter is switched off there (``EngineConfig.drafter_off_after``): the
-requests drop their context and the rounds are plain decoding's own programs, until a retry. The host only
+requests drop their context and the rounds are plain decoding's, until a retry. The host only
 admits new requests and collects finished ones. Rows are the active slots moved to the front (a stable
 argsort of ``~active``) and padded to a power of two, so the drafter's cost follows the load, not the slot
 count.
@@ -31,8 +36,7 @@ the top-K drafts by current survival). All are lossless: whether draft ``x_k`` i
 
 Sampling is per request (`SamplingParams`, given to `Engine.submit`): each slot holds its request's
 temperature, top-p and seed, so greedy and sampled requests share a round and each is verified exactly
-against its own target law (``top_p(softmax(logits / T))``; argmax at temperature 0). A round whose rows
-are all greedy runs the greedy programs; otherwise each row accepts by its own rule.
+against its own target law (``top_p(softmax(logits / T))``; argmax at temperature 0).
 
 Randomness: every draw uses a key folded from (the request's seed, its key id, position): the key id is the
 request id (the engine's seed for requests without one) or, for a request with its own seed, a fixed value,
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 import warnings
 from collections import deque
@@ -61,13 +66,12 @@ from flax import nnx
 
 from dspark_jax import calibration, gate, scheduler, verify
 from dspark_jax.sampling import categorical, effective_temperature, safe_log
-from dspark_jax.sps import SPSTable, context_window, default_sps_table, plain_sps_from_cost, sps_from_cost
+from dspark_jax.sps import SPSTable, default_sps_table, plain_sps_from_cost, sps_from_cost
 from dspark_jax.timing import compile_count
 from dspark_jax.cache.pages import PagePool, pages_for
 from dspark_jax.models import drafter as dr
 from dspark_jax.models.llama import (
     BUCKETS,
-    CONTEXT_STEP,
     LlamaModel,
     PagedKVCache,
     init_paged_cache,
@@ -224,6 +228,9 @@ class EngineConfig:
     # streams by at most one budget a step instead of freezing them while it prefills. None: no budget (each
     # prompt prefilled whole at admission).
     max_num_batched_tokens: int | None = 512
+    # JAX's persistent compilation cache in a user cache folder (`use_compilation_cache`; the environment variable
+    # DSPARK_JAX_COMPILATION_CACHE=0 turns it off too): a restarted engine reads its programs back.
+    compilation_cache: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "temperature", _checked_temperature(self.temperature))
@@ -455,10 +462,35 @@ def _key(seed, stream: int, request, position):
     return jax.vmap(one)(seeds, request, position)
 
 
-def _window(n: int, capacity: int, rule: str) -> int:
-    """Attention window over the caches for contexts below ``n`` (`sps.context_window`), at most the
-    capacity: few shapes, each (rows, tokens, window) combination compiles once."""
-    return min(capacity, context_window(n, CONTEXT_STEP, rule))
+_gate_init = jax.jit(gate.init, static_argnums=(0, 1, 2, 3))  # a fresh gate state, one program
+_draft_head_weights = nnx.jit(dr.draft_head_weights)  # the drafter's LM head over its vocabulary, one program
+
+COMPILATION_CACHE_ENV = "DSPARK_JAX_COMPILATION_CACHE"
+
+
+def use_compilation_cache() -> str | None:
+    """Turn on JAX's persistent compilation cache in a user cache folder, so that a second run (a restarted
+    server, the next benchmark) reads its programs back instead of compiling them: ``$DSPARK_JAX_COMPILATION_CACHE``
+    if set (``0``, ``off`` or ``false``: no cache), else ``$XDG_CACHE_HOME/dspark_jax/jax`` (default
+    ``~/.cache/dspark_jax/jax``). A folder the user gave JAX (``jax_compilation_cache_dir``) is left as it is.
+    Returns the folder in use, or None. `Engine` calls it unless ``EngineConfig.compilation_cache`` is False.
+    """
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    chosen = os.environ.get(COMPILATION_CACHE_ENV, "").strip()
+    if chosen.lower() in ("0", "off", "false", "no"):
+        return None
+    if not chosen:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        chosen = os.path.join(base, "dspark_jax", "jax")
+    try:
+        os.makedirs(chosen, exist_ok=True)
+    except OSError as err:  # a read-only home: run without the cache
+        warnings.warn(f"compilation cache: cannot create {chosen} ({err}); compiling without it", stacklevel=3)
+        return None
+    jax.config.update("jax_compilation_cache_dir", chosen)
+    return chosen
 
 
 def _pow2(n: int, cap: int) -> int:
@@ -504,6 +536,8 @@ class Engine:
     def __init__(self, target: LlamaModel, drafter: dr.Drafter | None, policy: Policy | str = "dspark",
                  config: EngineConfig = EngineConfig(), *, sts_temperatures=None, sps=None,
                  stop_ids: Sequence[int] | None = None, mesh=None, allow_sps_mesh_mismatch: bool = False):
+        if config.compilation_cache:
+            use_compilation_cache()
         self.mesh = mesh
         policy = parse_policy(policy) if isinstance(policy, str) else policy
         if policy.kind in ("dspark", "dspark-async") and (sps is None or isinstance(sps, SPSTable)):
@@ -536,8 +570,7 @@ class Engine:
                              f"{target.cfg.tap_layers} (build.tapped_for gives a target tapping the drafter's)")
         # The round programs are static in the policy's kind; its number (K or C) is passed as an array.
         self._policy_kind = Policy(self.policy.kind)
-        self._policy_value = jnp.float32(self.policy.value)
-        self.greedy = config.temperature == 0  # the default of requests without their own temperature
+        self._policy_value = _put(np.float32(self.policy.value))
         S = config.num_slots
         self.G = self.drafter.cfg.block if self.drafter is not None else 1
         if S < 1:
@@ -556,14 +589,15 @@ class Engine:
                 from dspark_jax.sharding import place_drafter_state  # noqa: PLC0415
 
                 self.d_state = place_drafter_state(self.d_state, self.drafter.cfg, mesh)
-            self.head_w = dr.draft_head_weights(self.drafter, target.weights.embed, target.weights.lm_head)
+            self.head_w = _draft_head_weights(self.drafter, target.weights.embed, target.weights.lm_head)
             sets = calibration.STSSets.of(np.ones(self.G, np.float32) if sts_temperatures is None
                                           else sts_temperatures)
             if sets.block != self.G:
                 raise ValueError(f"sts_temperatures: expected {self.G} values (one per block position), got "
                                  f"{sets.block}")
             # [K], [K, G], [K, G]
-            self.temps = (jnp.asarray(sets.at), jnp.asarray(sets.temperatures), jnp.asarray(sets.biases))
+            self.temps = _put((np.asarray(sets.at, np.float32), np.asarray(sets.temperatures, np.float32),
+                               np.asarray(sets.biases, np.float32)))
             self.draft_vocab = None if self.drafter.cfg.draft_vocab == target.cfg.vocab_size else self.drafter.vocab_ids[...]
         if config.window_rule not in ("step", "pow2"):
             raise ValueError(f"window_rule: expected 'step' or 'pow2', got {config.window_rule!r}")
@@ -585,7 +619,7 @@ class Engine:
                             f"{config.window_rule!r} windows")
                     self.cost = sps.cost_arrays()
                 sps = dense
-            self.sps = jnp.asarray(np.asarray(sps, np.float32))
+            self.sps = _put(np.asarray(sps, np.float32))
             if self.sps.ndim != 1 or not np.all(np.isfinite(np.asarray(self.sps))) or np.any(np.asarray(self.sps) <= 0):
                 raise ValueError("sps: expected a 1-D table of finite, positive steps/s")
         else:
@@ -602,9 +636,6 @@ class Engine:
         self.pages = PagePool(num_pages=num_pages, page_size=config.block_size, num_slots=S,
                               pages_per_slot=per_slot_pages, contiguous=contiguous)
         self._tables_version = self.pages.version
-        # Kernels read each request's own pages: on an accelerator the target's programs need no attention
-        # window (one program for every context); the CPU's XLA path gathers up to a window.
-        self._target_windows = self.kv_layout == "slots" or device.platform == "cpu"
         state = self._init_state()
         if mesh is not None:
             from dspark_jax.sharding import place  # noqa: PLC0415
@@ -618,7 +649,6 @@ class Engine:
         self.slot_request = np.full(S, -1)
         self.slot_length = np.zeros(S, np.int64)
         self.slot_context = np.zeros(S, bool)  # the request in the slot has the drafter's context
-        self.slot_greedy = np.ones(S, bool)  # the request in the slot decodes greedily (temperature 0)
         # Slots whose request is still being prefilled, chunk by chunk: slot -> `_Prefilling` (the slot is
         # taken, its request not yet decoding).
         self.prefilling: dict[int, _Prefilling] = {}
@@ -647,8 +677,20 @@ class Engine:
         self._min_rows = S if data > 1 and S % data == 0 else 1
         self.cutoff = gate.CutOff()
         self._no_conf: dict[int, tuple[jax.Array, jax.Array]] = {}
+        self._flag_arrays: dict[bool, jax.Array] = {}
         self.reset_time_scale()
         self.on_token: Callable[[int, int], None] | None = None
+        # The programs' static spec (per round shape: `_round_spec`) and their one pytree of constant inputs.
+        self._spec = RoundSpec(cfg=target.cfg, block=self.G, capacity=config.capacity, policy=self._policy_kind,
+                               gate=self.gate_cfg, sharded_slots=self._min_rows > 1)
+        self._specs: dict[tuple[int, int, int], RoundSpec] = {}
+        drafting = self.drafter is not None
+        self._inputs = RoundInputs(
+            weights=target.weights, graph=self.d_graph if drafting else None,
+            dstate=self.d_state if drafting else None, head_w=self.head_w if drafting else None,
+            temps=self.temps if drafting else None, sps=self.sps, cost=self.cost,
+            draft_vocab=self.draft_vocab if drafting else None, stop_ids=_put(self.stop_ids),
+            policy_value=self._policy_value)
 
     # ------------------------------------------------------------------------------------------------ state
     @property
@@ -663,7 +705,7 @@ class Engine:
         self._state = value
 
     def _init_gate(self) -> gate.GateState:
-        return gate.init(self.gate_cfg, self.cfg.num_slots, self.G, self.cfg.prior_confidence)
+        return _gate_init(self.gate_cfg, self.cfg.num_slots, self.G, self.cfg.prior_confidence)
 
     def _check_table_reach(self, have: int, rows: int | None, num_slots: int) -> None:
         """Warn where the engine's largest round lies beyond what its table measured (``have`` verified tokens,
@@ -678,6 +720,10 @@ class Engine:
                           f"(python -m profiling.profile_sps --max-tokens {most})", stacklevel=3)
 
     def _init_state(self) -> EngineState:
+        """The empty state, made by one program."""
+        return jax.jit(self._empty_state)()
+
+    def _empty_state(self) -> EngineState:
         c, S = self.cfg, self.cfg.num_slots
         if self.kv_layout == "pages":
             pool = self.pages
@@ -695,22 +741,24 @@ class Engine:
             request=jnp.zeros(S, jnp.int32), generated=jnp.zeros(S, jnp.int32), max_new=jnp.zeros(S, jnp.int32),
             seed=jnp.full(S, c.seed, jnp.int32), temperature=jnp.full(S, c.temperature, jnp.float32),
             top_p=jnp.ones(S, jnp.float32), eos_stops=jnp.ones(S, bool),
-            conf_hist=jnp.full((2, S, self.G), c.prior_confidence, jnp.float32), gate=self._init_gate(),
+            conf_hist=jnp.full((2, S, self.G), c.prior_confidence, jnp.float32),
+            gate=gate.init(self.gate_cfg, S, self.G, c.prior_confidence),
         )
 
     def _sync_block_tables(self) -> None:
         """Give the device the host's block tables when an allocation changed them ("pages" layout)."""
         if self.pages.version != self._tables_version:
-            tables = jnp.asarray(self.pages.block_tables)
+            tables = _put(np.asarray(self.pages.block_tables, np.int32))
             self.state = self.state.replace(cache=self.state.cache.replace(block_tables=tables))
             self._tables_version = self.pages.version
 
-    def _verify_window(self, longest: int) -> int:
-        """The verification's attention window when the round's longest request holds ``longest`` tokens: the
-        window rule's on the CPU, the capacity where kernels read each request's own pages."""
-        if not self._target_windows:
-            return self.cfg.capacity
-        return _window(longest + self.G + 1, self.cfg.capacity, self.cfg.window_rule)
+    def _round_spec(self, R: int, T: int = 0, per_slot: int = 1) -> RoundSpec:
+        """The static spec of a round's programs of R rows and T tokens (grid width ``per_slot``), made once."""
+        key = (R, T, per_slot)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = dataclasses.replace(self._spec, rows=R, tokens=T, per_slot=per_slot)
+        return spec
 
     # ------------------------------------------------------------------------------------------------ requests
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None) -> int:
@@ -781,7 +829,7 @@ class Engine:
         self.slot_request[slot] = -1
         self.prefilling.pop(slot, None)
         self.pages.release(slot)
-        self.state = _free_slot(self.state, jnp.int32(slot))
+        self.state = _free_slot(self.state, np.int32(slot))
 
     def _forget_stops(self, rid: int) -> None:
         self._extra_stops.pop(rid, None)
@@ -844,7 +892,6 @@ class Engine:
         ends there, its budget one token or its first token a stop). Returns 1, the token emitted."""
         rid, prompt = job.rid, job.prompt
         first, done = self._first_token(slot, job, logits)
-        temp = self._row_sampling(rid, job.sampling)[0]
         if self.drafter is not None:
             self.admissions["context" if job.context else "no_context"] += 1
         self._emit(rid, [first])
@@ -858,7 +905,6 @@ class Engine:
         else:
             self.slot_length[slot] = len(prompt)
             self.slot_context[slot] = job.context
-            self.slot_greedy[slot] = temp == 0
         return 1
 
     def _admission_context(self, load: int) -> bool:
@@ -883,12 +929,12 @@ class Engine:
         with it)."""
         rid = job.rid
         temp, top_p, seed, key_id = self._row_sampling(rid, job.sampling)
-        first = int(_sample_first(logits, jnp.int32(key_id), jnp.int32(len(job.prompt)), jnp.float32(temp),
-                                  jnp.float32(top_p), jnp.int32(seed), greedy=temp == 0))
+        first = int(_sample_first(logits, np.int32(key_id), np.int32(len(job.prompt)), np.float32(temp),
+                                  np.float32(top_p), np.int32(seed)))
         done = job.max_new <= 1 or self._eos_ends(rid, first) or self._stop_cut(rid, [first]) is not None
-        self.state = _admit_slot(self.state, jnp.int32(slot), jnp.int32(key_id), jnp.int32(first),
-                                 jnp.int32(job.max_new), jnp.bool_(not done), jnp.int32(seed), jnp.float32(temp),
-                                 jnp.float32(top_p), jnp.bool_(rid not in self._ignore_eos))
+        self.state = _admit_slot(self.state, np.int32(slot), np.int32(key_id), np.int32(first),
+                                 np.int32(job.max_new), np.bool_(not done), np.int32(seed), np.float32(temp),
+                                 np.float32(top_p), np.bool_(rid not in self._ignore_eos))
         return first, done
 
     def _prefill_chunk(self, slot: int, job: "_Prefilling", take: int):
@@ -897,21 +943,17 @@ class Engine:
         ids = np.asarray(job.prompt[job.done : job.done + take], np.int32)
         self.pages.ensure(slot, job.done + take)
         self._sync_block_tables()
-        st = self.state
-        cache, dcache = st.cache, st.dcache
-        write_context = self.drafter is not None and job.context
+        with_context = self.drafter is not None and job.context
         done = 0
         for size, n in prefill_chunks(len(ids)):
             chunk = np.zeros(size, np.int32)
             chunk[:n] = ids[done : done + n]
-            start = job.done + done
-            logits, extras, cache = prefill(self.target.weights, cache, chunk, jnp.int32(slot), jnp.int32(start),
-                                            jnp.int32(n), self.target.cfg, self._min_rows > 1)
-            if write_context:
-                dcache = _write_chunk_context(self.d_graph, self.d_state, dcache, extras.taps, jnp.int32(slot),
-                                              jnp.int32(start), jnp.int32(n), _block_tables(cache))
+            args = (self._spec, self._inputs, self.state, chunk, np.int32(slot), np.int32(job.done + done), np.int32(n))
+            if with_context:
+                logits, self.state = _write_chunk_context(*args)
+            else:
+                logits, self.state = _prefill_program(*args, write_context=self._flag(False))
             done += n
-        self.state = st.replace(cache=cache, dcache=dcache)
         job.done += take
         return logits
 
@@ -922,76 +964,68 @@ class Engine:
         job = _Prefilling(rid, prompt, max_new, sampling or SamplingParams(), context)
         self._first_token(slot, job, self._prefill_chunk(slot, job, len(prompt)))
 
-    def warm_up(self, max_prompt_tokens: int, *, sampled: bool | None = None) -> int:
-        """Compile every program a run with prompts up to ``max_prompt_tokens`` can need (all row buckets,
-        token buckets and attention windows), so that no round compiles afterwards. Returns the number of
-        round shapes compiled. Leaves the engine's requests and counters untouched.
+    def round_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (rows R, tokens T, grid width) a round of this engine can run: the verification programs (one
+        each; width 1: no drafts). A round of R rows holds n requests, R // 2 < n <= R (any n >= 1 at the
+        fewest rows); it verifies B tokens, n without drafts, up to n * (G + 1) with them.
 
-        ``sampled``: also compile the programs of rounds with sampled requests (temperature > 0, through
-        `SamplingParams`) for an engine whose default is greedy (a server); None: only the engine's default."""
+        >>> from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
+        >>> cfg = LlamaConfig.tiny()
+        >>> Engine(LlamaModel(cfg, init_random_weights(cfg, jax.random.key(0))), None, "none",
+        ...        EngineConfig(num_slots=4, capacity=64)).round_shapes()
+        [(1, 1, 1), (2, 2, 1), (4, 4, 1)]
+        """
+        S, G = self.cfg.num_slots, self.G
+        shapes, R = [], self._min_rows
+        while True:
+            fewest = 1 if R == self._min_rows else R // 2 + 1
+            plain = sorted({bucket_for(b) for b in range(fewest, R + 1)})
+            shapes += [(R, T, 1) for T in plain]
+            if self.drafter is not None:  # with drafts: B from fewest + 1 to R * (G + 1)
+                spec = sorted({bucket_for(b) for b in range(fewest + 1, R * (G + 1) + 1)})
+                shapes += [(R, T, _grid_width(R, T, G, self._min_rows)) for T in spec]
+            if R >= S:
+                return shapes
+            R = min(2 * R, S)
+
+    def warm_up(self, max_prompt_tokens: int, *, sampled: bool | None = None) -> int:
+        """Compile every program a run with prompts up to ``max_prompt_tokens`` can need, so that no round
+        compiles afterwards: the prefill chunks and the first token, admission, and per row bucket the draft
+        program and one verification program per token bucket (`round_shapes`). Contexts, temperatures and the
+        drafter's context are arrays: one program serves them all. Returns the number of round shapes compiled.
+        Leaves the engine's requests and counters untouched.
+
+        ``sampled``: kept for callers; sampled and greedy requests share every program."""
+        del sampled
         if not self.idle():
             raise ValueError("warm_up: the engine must be idle")
-        S, G, cap = self.cfg.num_slots, self.G, self.cfg.capacity
         # prefill chunks and the first-token sampler, on slot 0 (then released)
         for size in sorted({size for n in range(1, max_prompt_tokens + 1) for size, _ in prefill_chunks(n)}):
             self._prefill(0, 0, [1] * min(size, max_prompt_tokens), 1)
-            if sampled and self.greedy:
-                self._prefill(0, 0, [1] * min(size, max_prompt_tokens), 1, SamplingParams(temperature=1.0))
-        self.state = _free_slot(self.state, jnp.int32(0))
+        self.state = _free_slot(self.state, np.int32(0))
         self.pages.release(0)
         self._sync_block_tables()
-        modes = [self.greedy] + ([False] if sampled and self.greedy else [])
-        drafting = self.drafter is not None
-        shapes = 0
-        longest = range(1, cap + 1)  # contexts grow during decoding: every window up to the capacity
-        rule = self.cfg.window_rule
-        windows = sorted({self._verify_window(n) for n in longest})
-        draft_windows = sorted({_window(n, cap, rule) for n in longest})
-        scale = jnp.ones((2,), jnp.float32)
-        for greedy in modes:
-            R = self._min_rows
-            while True:
-                if drafting:
-                    for w in draft_windows:
-                        d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed,
-                                                self.head_w, self.temps, self.sps, self.cost, scale,
-                                                self._policy_value, capacity=cap, R=R,
-                                                policy=self._policy_kind,
-                                                greedy=greedy, gate_cfg=self.gate_cfg, context=w)
-                else:
-                    d = None
-                self._round_conf(None, R)  # the arrays a round that skips the draft program passes
-                conf, drafted_arr = self._round_conf(d, R)
-                lo = 1 if R == self._min_rows else R // 2 + 1  # the fewest active requests a round of R rows has
-                hi = R * (G + 1) if drafting else R
-                plain = {(bucket_for(b), 1) for b in range(lo, R + 1)}  # rounds without drafts: B = n
-                # width m holds a row of more tokens than the next narrower width (prev): n + prev <= B <= R * m
-                widths = sorted({grid_bucket(k, G + 1) for k in range(2, G + 2)})
-                spec = ({(bucket_for(b), m) for prev, m in zip([1] + widths, widths)
-                         for b in range(lo + prev, min(hi, R * m) + 1)} if drafting else set())
-                kinds = [(T, per_slot, drafting) for T, per_slot in sorted(plain | spec)]
-                if self._may_drop_context:  # rounds where no request has the drafter's context: none's programs
-                    kinds += [(T, 1, False) for T, _ in sorted(plain)]
-                for T, per_slot, ctx in kinds:
-                    for w in windows:
-                        self.state, out = _verify_and_commit(
-                            self.target.weights, self.state, d if per_slot > 1 else None, conf if ctx else None,
-                            drafted_arr if ctx else None, self.d_graph if ctx else None, self.d_state if ctx else None,
-                            self.draft_vocab if ctx else None, jnp.asarray(self.stop_ids),
-                            cfg=self.target.cfg, R=R, T=T, G=G, window=w, greedy=greedy,
-                            drafting=ctx, per_slot=per_slot, gate_cfg=self.gate_cfg)
-                        shapes += 1
-                if self.cost is not None:
-                    _after_round(self.cost, scale, self.state, jnp.int32(R), jnp.int32(0), jnp.int32(R), drafted_arr, R=R,
-                                 gate_cfg=self.gate_cfg)
-                if R >= S:
-                    break
-                R = min(2 * R, S)
+        scale = self._time_scale_dev
+        drafts: dict[int, DraftOut | None] = {}
+        gated: set[int] = set()
+        shapes = self.round_shapes()
+        for R, T, per_slot in shapes:
+            if R not in drafts:
+                drafts[R] = (_draft_and_schedule(self._round_spec(R), self._inputs, self.state, scale)
+                             if self.drafter is not None else None)
+            d = drafts[R] if per_slot > 1 else None
+            conf, drafted = self._round_conf(d, R)
+            self.state, _ = _verify_and_commit(self._round_spec(R, T, per_slot), self._inputs, self.state, d, conf,
+                                               drafted, scale, drafting=self._flag(False))
+            if self.cost is not None and R not in gated:
+                gated.add(R)
+                _after_round(self._round_spec(R), self._inputs, scale, self.state, np.int32(R), np.int32(0),
+                             np.int32(R), drafted)
         # The drafter gate's state starts afresh (warm-up rounds had no requests).
         self.state = self.state.replace(gate=self._init_gate())
         self._gate_closed = False
         jax.block_until_ready(self.state)
-        return shapes
+        return len(shapes)
 
     # ------------------------------------------------------------------------------------------------ rounds
     def step(self) -> RoundStats | None:
@@ -1016,10 +1050,8 @@ class Engine:
         self._sync_block_tables()
         R = max(_pow2(n, S), self._min_rows)
         longest = int(self.slot_length[active_slots].max())
-        window = self._verify_window(longest)
-        greedy = bool(self.slot_greedy[active_slots].all())  # else each row accepts by its own rule
         # The drafter's context: every active request has it (the gate decides), none has it (plain decoding's
-        # own programs: nothing of the drafter runs) or some have it (the drafter waits, contexts are written).
+        # rounds: nothing of the drafter runs) or some have it (the drafter waits, contexts are written).
         context = self.slot_context[active_slots]
         drafting = self.drafter is not None and bool(context.any())
         can_draft = drafting and bool(context.all())
@@ -1027,30 +1059,26 @@ class Engine:
         # The last round decided this round's gate for the same requests; a new request reopens the question.
         known_closed = (self._gate_closed and not (active & ~was_active).any()) or not can_draft
         if drafting and not known_closed:
-            d = _draft_and_schedule(self.d_graph, self.d_state, self.state, self.target.weights.embed, self.head_w,
-                                    self.temps, self.sps, self.cost, scale, self._policy_value,
-                                    capacity=self.cfg.capacity, R=R, policy=self._policy_kind, greedy=greedy,
-                                    gate_cfg=self.gate_cfg,
-                                    context=_window(longest, self.cfg.capacity, self.cfg.window_rule))
-            # what the host needs: the token bucket, and the grid width from the longest row
+            d = _draft_and_schedule(self._round_spec(R), self._inputs, self.state, scale)
+            # what the host needs: the token bucket
             B, lengths_all = _to_host((d.batch_tokens, d.lengths))
             B = int(B)
         else:
             d, B, lengths_all = None, n, np.zeros(R, np.int64)
         T = bucket_for(B)
-        per_slot = grid_bucket(int(lengths_all[:n].max()) + 1, G + 1) if B > n else 1
-        conf, drafted_arr = self._round_conf(d, R) if drafting else (None, None)
-        self.state, out = _verify_and_commit(
-            self.target.weights, self.state, d if B > n else None, conf, drafted_arr,
-            self.d_graph if drafting else None, self.d_state if drafting else None,
-            self.draft_vocab if drafting else None, jnp.asarray(self.stop_ids),
-            cfg=self.target.cfg, R=R, T=T, G=G, window=window, greedy=greedy,
-            drafting=drafting, per_slot=per_slot, gate_cfg=self.gate_cfg)
-        after = (jnp.float32(np.nan), jnp.bool_(True), jnp.float32(np.nan))
-        if self.cost is not None and can_draft:
-            after = _after_round(self.cost, scale, self.state, jnp.int32(n), jnp.int32(longest), jnp.int32(B),
-                                 drafted_arr, R=R, gate_cfg=self.gate_cfg)
-        (emitted, counts, finished, accepted, new_len), (predicted, next_gate, gain) = _to_host((out, after))
+        per_slot = _grid_width(R, T, G, self._min_rows) if B > n else 1
+        conf, drafted_arr = self._round_conf(d, R)
+        self.state, out = _verify_and_commit(self._round_spec(R, T, per_slot), self._inputs, self.state,
+                                             d if B > n else None, conf, drafted_arr, scale,
+                                             drafting=self._flag(drafting))
+        after = (np.float32(np.nan), np.True_, np.float32(np.nan))
+        if self.cost is not None and can_draft:  # the next round's gate, decided on the device
+            after = _after_round(self._round_spec(R), self._inputs, scale, self.state, np.int32(n),
+                                 np.int32(longest), np.int32(B), drafted_arr)
+        # the round's one blocking read (the draft program's token count aside)
+        (emitted, counts, finished, accepted, new_len), (predicted, next_gate, gain), drafted = _to_host(
+            (out, after, d.drafted if d is not None else np.False_))
+        drafted = bool(drafted)
         self._gate_closed = not bool(next_gate)
         if self._may_drop_context:
             self.cutoff, off = gate.cutoff_update(self.cutoff, self.gate_cfg, R, n, n - int(np.sum(finished[:n])),
@@ -1058,7 +1086,6 @@ class Engine:
             if off:  # the active requests drop their context: plain decoding's programs from the next round
                 self.slot_context[:] = False
                 self.drafter_offs.append((len(self.rounds), R))
-        drafted = bool(d.drafted) if d is not None else False
         if compile_count() == compiles:
             self._observe_round(drafted, time.perf_counter() - t_round, float(predicted))
         lengths = lengths_all[:n]
@@ -1104,9 +1131,15 @@ class Engine:
             return None, None
         if d is not None:
             return d.conf, d.drafted
-        if R not in self._no_conf:
-            self._no_conf[R] = (jnp.zeros((R, self.G), jnp.float32), jnp.bool_(False))
+        if R not in self._no_conf:  # host arrays put on the device: nothing to compile
+            self._no_conf[R] = _put((np.zeros((R, self.G), np.float32), np.False_))
         return self._no_conf[R]
+
+    def _flag(self, value: bool) -> jax.Array:
+        """A bool [] on the device, made once (a host bool is put on the device at every call)."""
+        if value not in self._flag_arrays:  # host arrays put on the device: nothing to compile
+            self._flag_arrays[value] = _put(np.bool_(value))
+        return self._flag_arrays[value]
 
     def _observe_round(self, drafted: bool, seconds: float, predicted: float) -> None:
         """Fold a round's measured time into the correction of the cost model (`gate.observe_round`)."""
@@ -1121,7 +1154,7 @@ class Engine:
     @round_times.setter
     def round_times(self, value: gate.RoundTimes) -> None:
         self._round_times = value
-        self._time_scale_dev = jnp.asarray(gate.time_scale(value), jnp.float32)  # what the programs read
+        self._time_scale_dev = _put(np.asarray(gate.time_scale(value), np.float32))  # what the programs read
 
     def reset_time_scale(self) -> None:
         """Forget the measured corrections of the cost model (trust the table again)."""
@@ -1177,6 +1210,11 @@ def _to_host(tree):
     return to_host(tree)
 
 
+def _put(tree):
+    """Host arrays onto the device (`jax.device_put`: unlike ``jnp.asarray``, nothing compiles)."""
+    return jax.device_put(tree)
+
+
 def _rows_host(active: np.ndarray) -> np.ndarray:
     """Host twin of the device row order: active slots first (ascending), then the others."""
     return np.argsort(~active, kind="stable")
@@ -1185,14 +1223,60 @@ def _rows_host(active: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------- jitted parts
 
 
-@functools.partial(jax.jit, donate_argnames=("dcache",))
-def _write_chunk_context(graph, dstate, dcache, taps, slot, start, n_valid, block_tables=None):
-    """Drafter context K/V of one prefill chunk: taps [P, M, D] at positions start.. of ``slot``."""
-    drafter = nnx.merge(graph, dstate)
-    n = taps.shape[0]
-    idx = jnp.arange(n, dtype=jnp.int32)
-    return dr.write_context(drafter, dcache, taps, jnp.full((n,), slot, jnp.int32), start + idx, idx < n_valid,
-                            block_tables)
+@dataclasses.dataclass(frozen=True)
+class RoundSpec:
+    """The static part of the engine's programs (hashable: one compiled program per value).
+
+    The engine's settings (target config, block, capacity, policy kind, gate settings, whether the cache's slots
+    are split over devices) and the shape of a round: ``rows`` R (active slots first, padded to a power of two),
+    ``tokens`` T (the packed verification batch, a `BUCKETS` size; 0 for the draft program) and ``per_slot``
+    (the verification grid's width: 1 for a round without drafts, else `_grid_width`). Everything else a
+    program reads is an array: contexts (the attention reads the caches in parts up to the longest,
+    `llama.over_context`), temperatures (a round with no sampled row skips the sampling work under
+    ``lax.cond``), which requests have the drafter's context.
+    """
+
+    cfg: LlamaConfig
+    block: int
+    capacity: int
+    policy: Policy
+    gate: gate.GateConfig
+    sharded_slots: bool = False
+    rows: int = 0
+    tokens: int = 0
+    per_slot: int = 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RoundInputs:
+    """What the programs read and never write, in one pytree built once per engine: the target's weights, the
+    drafter (graph and state; None without one), its LM head over the draft vocabulary [D, W], the STS sets
+    (temperatures [K], sets [K, G], offsets [K, G]), the steps/s table [N], the cost model's arrays (or None),
+    the draft vocabulary's ids [W] (None: the full vocabulary), the stop ids and the policy's number."""
+
+    weights: Any
+    graph: Any
+    dstate: Any
+    head_w: Any
+    temps: Any
+    sps: jax.Array
+    cost: Any
+    draft_vocab: Any
+    stop_ids: jax.Array
+    policy_value: jax.Array
+
+
+def _grid_width(R: int, T: int, G: int, min_rows: int) -> int:
+    """The verification grid's width of a round with drafts: a round of R rows holds more than R // 2 requests
+    (all R when R is the engine's fewest rows, ``min_rows``: then at least one), so its longest row holds at
+    most T - that + 1 of the T tokens: the width follows the token bucket without a program per width.
+
+    >>> [_grid_width(1, t, 7, 1) for t in (2, 4, 8)], _grid_width(4, 4, 7, 1), _grid_width(16, 64, 7, 1)
+    ([2, 4, 8], 2, 8)
+    """
+    fewest = 1 if R == min_rows else R // 2 + 1
+    return grid_bucket(max(2, min(T - fewest + 1, G + 1)), G + 1)
 
 
 def _block_tables(cache):
@@ -1200,16 +1284,43 @@ def _block_tables(cache):
     return cache.block_tables if isinstance(cache, PagedKVCache) else None
 
 
-@functools.partial(jax.jit, static_argnames=("greedy",))
-def _sample_first(logits, request, position, temperature, top_p, seed, *, greedy):
-    """The first token after prefill: argmax, or a draw from ``top_p(softmax(logits / T))`` with the
-    request's key (``softmax(logits / T)`` itself at top-p 1)."""
-    if greedy:
-        return jnp.argmax(logits).astype(jnp.int32)
-    key = _key(seed, 0, request[None], position[None])[0]
-    scaled = logits.astype(jnp.float32) / temperature  # [V]
-    law = _target_law(scaled[None, None], top_p[None])[0, 0]
-    return categorical(key[None], jnp.where(top_p < 1, safe_log(law), scaled)[None])[0]
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def _prefill_program(spec: RoundSpec, inputs: RoundInputs, state: EngineState, chunk, slot, start, n_valid,
+                   write_context):
+    """Prefill one chunk of a prompt (`llama.prefill`, chunk [P] static) into ``slot`` and, where
+    ``write_context`` (bool []), the drafter's context of its tokens. Returns the last valid token's logits [V]
+    and the state."""
+    logits, extras, cache = prefill(inputs.weights, state.cache, chunk, slot, start, n_valid, spec.cfg,
+                                    spec.sharded_slots)
+    dcache = state.dcache
+    if inputs.dstate is not None:
+        drafter = nnx.merge(inputs.graph, inputs.dstate)
+        n = chunk.shape[0]
+        idx = jnp.arange(n, dtype=jnp.int32)
+        dcache = jax.lax.cond(  # (a cond passes the cache through in place: no copy)
+            write_context, lambda dc: dr.write_context(drafter, dc, extras.taps, jnp.full((n,), slot, jnp.int32),
+                                                       start + idx, idx < n_valid, _block_tables(cache)),
+            lambda dc: dc, dcache)
+    return logits, state.replace(cache=cache, dcache=dcache)
+
+
+def _write_chunk_context(spec: RoundSpec, inputs: RoundInputs, state: EngineState, chunk, slot, start, n_valid):
+    """A prompt chunk of a request with the drafter's context: `_prefill_program` writing that context too (the
+    same compiled program as a chunk without it)."""
+    return _prefill_program(spec, inputs, state, chunk, slot, start, n_valid, write_context=np.True_)
+
+
+@jax.jit
+def _sample_first(logits, request, position, temperature, top_p, seed):
+    """The first token after prefill: argmax at temperature 0, else a draw from ``top_p(softmax(logits / T))``
+    with the request's key (``softmax(logits / T)`` itself at top-p 1)."""
+    def draw():
+        key = _key(seed, 0, request[None], position[None])[0]
+        scaled = logits.astype(jnp.float32) / temperature  # [V]
+        law = _target_law(scaled[None, None], top_p[None])[0, 0]
+        return categorical(key[None], jnp.where(top_p < 1, safe_log(law), scaled)[None])[0].astype(jnp.int32)
+
+    return jax.lax.cond(temperature > 0, draw, lambda: jnp.argmax(logits).astype(jnp.int32))
 
 
 def _target_law(scaled_logits, top_p):
@@ -1278,73 +1389,74 @@ def policy_lengths(policy: Policy, value, conf, hist, sps, row_valid, G: int):
     raise ValueError(f"policy {policy} does not draft")
 
 
-@functools.partial(jax.jit, static_argnames=("R", "gate_cfg"))
-def _after_round(cost, time_scale, state: EngineState, n_active, longest, batch_tokens, drafted, *,
-                 R: int, gate_cfg: gate.GateConfig):
-    """After a round, on the committed state: the cost model's time for the round that just ran (drafting
-    or plain, with ``n_active`` requests whose longest held ``longest`` tokens; the host compares it with the
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _after_round(spec: RoundSpec, inputs: RoundInputs, time_scale, state: EngineState, n_active, longest,
+                 batch_tokens, drafted):
+    """After a round, on the committed state: the cost model's time for the round that just ran (drafting or
+    plain, with ``n_active`` requests whose longest held ``longest`` tokens; the host compares it with the
     measured time) and the drafter gate of the next round for the requests still active (`gate.decide`, so
-    the host can skip the draft program). One small program per row bucket, kept out of the verify programs,
-    which compile once per (R, T, window)."""
+    the host can skip the draft program): (predicted seconds, opens, gain). One small program per row bucket
+    (``spec.rows``), run where the cost model prices the next round."""
+    cost = inputs.cost
     n_active = jnp.maximum(n_active, 1)
     sps = sps_from_cost(cost, n_active, longest)
     predicted = jnp.where(drafted, 1.0 / sps[jnp.clip(scheduler.padded_batch(batch_tokens, BUCKETS), 0,
                                                       sps.shape[0] - 1)],
                           1.0 / plain_sps_from_cost(cost, n_active, longest)).astype(jnp.float32)
-    rows, row_valid = _device_rows(state.active, R)
-    opens, _, gain = gate.decide(state.gate, gate_cfg, cost, rows, row_valid, state.cache.lengths[rows], time_scale)
+    rows, row_valid = _device_rows(state.active, spec.rows)
+    opens, _, gain = gate.decide(state.gate, spec.gate, cost, rows, row_valid, state.cache.lengths[rows], time_scale)
     return predicted, opens, gain
 
 
-@functools.partial(jax.jit, static_argnames=("R", "policy", "greedy", "context", "capacity", "gate_cfg"))
-def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps, sps, cost, time_scale,
-                        policy_value, *, capacity: int, R: int, policy: Policy, greedy: bool, context: int,
-                        gate_cfg: gate.GateConfig) -> DraftOut:
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _draft_and_schedule(spec: RoundSpec, inputs: RoundInputs, state: EngineState, time_scale) -> DraftOut:
     """Draft a block for the first R rows, compute calibrated confidences, apply the policy.
 
-    ``policy`` is static by its kind only; its number (K of ``fixed:K``, C of ``threshold:C``) is the traced
-    ``policy_value``, so every K (every C) runs the same compiled program. ``greedy``: every row is greedy;
-    else each row drafts at its own temperature (one-hot at 0).
+    ``spec.policy`` is static by its kind only; its number (K of ``fixed:K``, C of ``threshold:C``) is the
+    traced ``inputs.policy_value``, so every K (every C) runs the same compiled program. Each row drafts at its
+    own temperature (one-hot at 0; a round whose rows are all greedy skips the softmax and the draw).
 
     With a cost model, the ``dspark`` policies first decide whether drafting pays at all this round
     (`gate.decide`, from each request's survival averages over its earlier drafted rounds, which
     cannot depend on this round's drafts). A busy engine whose drafts would not pay for the drafter skips it
     (a `lax.cond`), drafting now and then to refresh the averages.
     """
-    drafter = nnx.merge(graph, dstate)
-    G = drafter.cfg.block
-    W = head_w.shape[1]
+    drafter = nnx.merge(inputs.graph, inputs.dstate)
+    G, R, capacity = spec.block, spec.rows, spec.capacity
+    W = inputs.head_w.shape[1]
+    embed = inputs.weights.embed
     rows, row_valid = _device_rows(state.active, R)
     ctx_len = state.cache.lengths[rows]
-    opens = jnp.bool_(True)
-    if cost is not None:  # (dspark policies) this round's curve: draft(R, L) + verify(R, B, L), and the gate
-        opens, sps, _ = gate.decide(state.gate, gate_cfg, cost, rows, row_valid, ctx_len, time_scale)
+    row_t = jnp.where(row_valid, state.temperature[rows], 0.0)  # [R]; padding rows greedy
+    opens, sps = jnp.bool_(True), inputs.sps
+    if inputs.cost is not None:  # (dspark policies) this round's curve: draft(R, L) + verify(R, B, L), and the gate
+        opens, sps, _ = gate.decide(state.gate, spec.gate, inputs.cost, rows, row_valid, ctx_len, time_scale)
 
     def run_drafter():
         if R == state.active.shape[0]:  # every slot: its cache read in place, the small outputs put in row order
             # (a gather of the caches by row would be an all-reduce of them across data-parallel groups)
             lens = state.cache.lengths
             keys = _key(state.seed, 1, state.request, lens)  # each request's keys, as in row order
-            t = jnp.float32(0.0) if greedy else state.temperature
-            out = dr.draft(drafter, state.dcache, None, lens, state.anchor, keys, t, embed, head_w, context=context,
+            # idle slots see no context (their stale lengths would lengthen the reads) and draft greedily
+            out = dr.draft(drafter, state.dcache, None, jnp.where(state.active, lens, 0), state.anchor, keys,
+                           jnp.where(state.active, state.temperature, 0.0), embed, inputs.head_w,
                            block_tables=_block_tables(state.cache))
             return tuple(x[rows] for x in out)
         keys = _key(state.seed[rows], 1, state.request[rows], ctx_len)
-        t = jnp.float32(0.0) if greedy else state.temperature[rows]  # [] or [R]
-        return dr.draft(drafter, state.dcache, rows, ctx_len, state.anchor[rows], keys, t, embed, head_w,
-                        context=context, block_tables=_block_tables(state.cache))
+        return dr.draft(drafter, state.dcache, rows, jnp.where(row_valid, ctx_len, 0), state.anchor[rows], keys,
+                        row_t, embed, inputs.head_w, block_tables=_block_tables(state.cache))
 
     def skip():
         return (jnp.zeros((R, G), jnp.int32), jnp.zeros((R, G, W), jnp.float32), jnp.zeros((R, G), jnp.float32))
 
     tokens, probs, conf_logits = jax.lax.cond(opens, run_drafter, skip)
-    at, sets, offsets = temps  # [K] sampling temperatures the STS sets were fitted at, [K, G], [K, G]
-    row_t = jnp.zeros((R,), jnp.float32) if greedy else state.temperature[rows]
+    at, sets, offsets = inputs.temps  # [K] sampling temperatures the STS sets were fitted at, [K, G], [K, G]
     conf = calibration.apply_sts(conf_logits, calibration.sts_for_rows(at, sets, row_t),
                                  calibration.sts_for_rows(at, offsets, row_t))  # [R, G]
     hist = state.conf_hist[1][rows]
-    lengths = jnp.where(row_valid & opens, policy_lengths(policy, policy_value, conf, hist, sps, row_valid, G), 0)
-    if gate_cfg.fill and policy.kind in ("dspark", "dspark-async"):  # the padded batch's free room (lossless)
+    lengths = jnp.where(row_valid & opens,
+                        policy_lengths(spec.policy, inputs.policy_value, conf, hist, sps, row_valid, G), 0)
+    if spec.gate.fill and spec.policy.kind in ("dspark", "dspark-async"):  # the padded batch's free room (lossless)
         lengths = scheduler.fill_to_bucket(conf, lengths, BUCKETS, active=row_valid & opens)
     # Caps that never look at the drafts: the request's remaining budget and the slot's capacity.
     remaining = state.max_new[rows] - state.generated[rows]
@@ -1354,25 +1466,23 @@ def _draft_and_schedule(graph, dstate, state: EngineState, embed, head_w, temps,
     return DraftOut(tokens, probs, conf, conf_logits, lengths, batch, opens)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "R", "T", "G", "window", "greedy", "drafting", "per_slot",
-                                             "gate_cfg"),
-                   donate_argnames=("state",))
-def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, drafted, graph, dstate, draft_vocab,
-                       stop_ids, *, cfg, R: int, T: int, G: int, window: int,
-                       greedy: bool, drafting: bool, per_slot: int,
-                       gate_cfg: gate.GateConfig) -> tuple[EngineState, RoundOut]:
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def _verify_and_commit(spec: RoundSpec, inputs: RoundInputs, state: EngineState, d: DraftOut | None, conf,
+                       drafted, time_scale, *, drafting) -> tuple[EngineState, RoundOut]:
     """Pack the scheduled tokens, verify them with one target pass, accept, commit, emit.
 
-    ``drafting``: the engine has a drafter (its context cache is written for every committed token, drafted
-    round or not); then ``conf`` [R, G] and ``drafted`` [] are the round's calibrated confidences and whether
-    the drafter ran (zeros and False when the host skipped the draft program), else None. ``per_slot`` is
-    the verification grid's width: with the drafts ``d``, `grid_bucket` of the longest row's tokens (1 + its
-    drafts; the attention's reads grow with it), or 1 with ``d = None`` for a round that scheduled no drafts
-    (a plain round then costs what plain decoding costs; one program per shape).
-    ``greedy``: every row is greedy (argmax acceptance); else each row accepts by its own rule: argmax at
-    temperature 0, `verify.speculative_accept` against ``top_p(softmax(logits / T))`` otherwise. With
-    ``drafting``, the drafter gate's bookkeeping (`gate.update`, by ``gate_cfg``) follows the round.
+    With a drafter (``inputs.dstate``), ``conf`` [R, G] and ``drafted`` [] are the round's calibrated
+    confidences and whether the drafter ran (zeros and False when the host skipped the draft program), and
+    ``drafting`` (bool []) says whether some request of the round has the drafter's context: then its context
+    cache is written for every committed token, drafted round or not, and the gate's bookkeeping
+    (`gate.update`) follows the round; else the round is plain decoding's (both skipped under ``lax.cond``).
+    Without a drafter, ``conf`` and ``drafted`` are None (``drafting`` is not read). ``spec.per_slot`` is the verification grid's width:
+    with the drafts ``d``, `_grid_width` of the round's shape (the attention's reads grow with it), or 1 with
+    ``d = None`` for a round that scheduled no drafts (a plain round then costs what plain decoding costs).
+    Each row accepts by its own rule: argmax at temperature 0, `verify.speculative_accept` against
+    ``top_p(softmax(logits / T))`` otherwise (computed only when some row samples).
     """
+    R, T, G, per_slot = spec.rows, spec.tokens, spec.block, spec.per_slot
     rows, row_valid = _device_rows(state.active, R)
     ctx_len = state.cache.lengths[rows]  # [R] anchor positions
     anchors = state.anchor[rows]
@@ -1398,30 +1508,43 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, dr
     positions = jnp.where(valid, ctx_len[tok_row] + col, 0)
     # R rows of all S slots: the grid reads every slot's cache in place; fewer: only the rows' caches (gathered)
     row_slots = None if R == state.cache.num_slots else rows
-    logits, extras, cache = forward_packed(weights, state.cache, tokens, slots, positions, valid, cfg,
-                                           per_slot, row_slots, window)
+    logits, extras, cache = forward_packed(inputs.weights, state.cache, tokens, slots, positions, valid, spec.cfg,
+                                           per_slot, row_slots)
     # ---- unpack to rows: logits of [anchor, x1..x_Gv] -> [R, Gv + 1, V]
     idx = jnp.clip(starts[:, None] + jnp.arange(Gv + 1)[None, :], 0, T - 1)
     # argmax over the T packed tokens, then gathered into rows: not over R x (Gv + 1) padded logit rows
     n_acc, nxt = verify.greedy_accept_tokens(drafts, first_argmax(logits)[idx], lengths)
-    if not greedy:
-        row_logits = logits[idx]
-        temp = state.temperature[rows]  # [R]
-        sampled = temp > 0
-        scaled = row_logits / jnp.where(sampled, temp, 1.0)[:, None, None]  # [R, Gv + 1, V]
-        target_probs = _target_law(scaled, state.top_p[rows])
+    temp = state.temperature[rows]  # [R]
+    sampled = (temp > 0) & row_valid
+    if not plain:
+        probs, vocab = d.probs, inputs.draft_vocab
+    else:  # no drafts: the next token is drawn from the target alone (the draft tables are never read)
+        probs, vocab = jnp.zeros((R, Gv, 1), jnp.float32), jnp.zeros((1,), jnp.int32)
+
+    def sampled_row(x):
+        """One row's acceptance against ``top_p(softmax(logits / T))`` (rows one at a time: the laws over the
+        vocabulary are [Gv + 1, V] per row, not [R, Gv + 1, V] for the round, so a program's workspace, which
+        XLA:CPU allocates at every call, stays small)."""
+        row_idx, t, p, key, row_drafts, row_probs, n = x
+        scaled = logits[row_idx] / t  # [Gv + 1, V]
+        target_probs = _target_law(scaled[None], p[None])
+        s_acc, s_nxt = verify.speculative_accept(key[None], row_drafts[None], row_probs[None], target_probs, n[None],
+                                                 vocab)
+        return s_acc[0], s_nxt[0]
+
+    def sampled_accept():
         keys = _key(state.seed[rows], 2, state.request[rows], ctx_len)
-        if not plain:
-            probs, vocab = d.probs, draft_vocab
-        else:  # no drafts: the next token is drawn from the target alone (the draft tables are never read)
-            probs, vocab = jnp.zeros((R, Gv, 1), jnp.float32), jnp.zeros((1,), jnp.int32)
-        s_acc, s_nxt = verify.speculative_accept(keys, drafts, probs, target_probs, lengths, vocab)
-        n_acc, nxt = jnp.where(sampled, s_acc, n_acc), jnp.where(sampled, s_nxt, nxt)
+        xs = (idx, jnp.where(sampled, temp, 1.0), state.top_p[rows], keys, drafts, probs, lengths)
+        s_acc, s_nxt = jax.lax.map(
+            lambda x: jax.lax.cond(x[0], sampled_row, lambda _: (jnp.int32(0), jnp.int32(0)), x[1:]), (sampled, *xs))
+        return jnp.where(sampled, s_acc, n_acc), jnp.where(sampled, s_nxt, nxt)
+
+    n_acc, nxt = jax.lax.cond(jnp.any(sampled), sampled_accept, lambda: (n_acc, nxt))
     # ---- emit [x1..x_n, next], cut at the first stop token and at the request's budget
     drafts_g = jnp.pad(drafts, ((0, 0), (0, G - Gv)))  # [R, G]
     emitted = jnp.where(jnp.arange(G + 1)[None, :] < n_acc[:, None], jnp.pad(drafts_g, ((0, 0), (0, 1))), 0)
     emitted = emitted.at[jnp.arange(R), n_acc].set(nxt)
-    is_stop = (jnp.isin(emitted, stop_ids) & state.eos_stops[rows][:, None]
+    is_stop = (jnp.isin(emitted, inputs.stop_ids) & state.eos_stops[rows][:, None]
                & (jnp.arange(G + 1)[None, :] <= n_acc[:, None]))
     first_stop = jnp.where(is_stop.any(axis=1), jnp.argmax(is_stop, axis=1), G + 1)
     remaining = state.max_new[rows] - state.generated[rows]
@@ -1432,15 +1555,19 @@ def _verify_and_commit(weights, state: EngineState, d: DraftOut | None, conf, dr
     new_len = ctx_len + 1 + n_acc
     cache = commit(cache, jnp.where(row_valid, rows, cache.num_slots), new_len)
     dcache = state.dcache
-    if drafting:
-        drafter = nnx.merge(graph, dstate)
-        dcache = dr.write_context(drafter, dcache, extras.taps, slots, positions, valid, _block_tables(cache))
     write = jnp.where(row_valid, rows, state.anchor.shape[0])  # padding rows write nothing
     hist, gate_state = state.conf_hist, state.gate
-    if drafting:  # a round that skipped the drafter keeps the history it decided on
+    if inputs.dstate is not None:
+        drafter = nnx.merge(inputs.graph, inputs.dstate)
+        dcache = jax.lax.cond(  # (a cond passes the cache through in place: no copy)
+            drafting, lambda dc: dr.write_context(drafter, dc, extras.taps, slots, positions, valid,
+                                                  _block_tables(cache)), lambda dc: dc, dcache)
+        # a round that skipped the drafter keeps the history it decided on; a round where no request has the
+        # drafter's context is plain decoding's (the gate does not count it)
         new = hist.at[1].set(hist[0]).at[0, write].set(conf, mode="drop")
         hist = jnp.where(drafted, new, hist)
-        gate_state = gate.update(gate_state, gate_cfg, rows, row_valid, conf, lengths, n_acc, drafted)
+        updated = gate.update(gate_state, spec.gate, rows, row_valid, conf, lengths, n_acc, drafted)
+        gate_state = jax.tree.map(lambda a, b: jnp.where(drafting, a, b), updated, gate_state)
     new_state = state.replace(
         cache=cache, dcache=dcache, conf_hist=hist, gate=gate_state,
         anchor=state.anchor.at[write].set(nxt, mode="drop"),

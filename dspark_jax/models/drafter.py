@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from dspark_jax.models.llama import first_argmax, rope
+from dspark_jax.models.llama import first_argmax, online_softmax_step, over_context, rope
 from dspark_jax.sampling import categorical, safe_log
 
 HEADS = ("markov", "gated", "rnn", "none")
@@ -173,6 +173,17 @@ class DraftLayer(nnx.Module):
         Returns:
           [N, B, G, D].
         """
+        visible = ctx_mask[:, None, :, None, None, :]  # [N, 1, B, 1, 1, S]
+        return self._layer(x, positions, lambda q, carry: _context_part(q, carry, ctx_k, ctx_v, visible))
+
+    def cached(self, x, positions, context: "CachedContext", layer: int):
+        """One layer over one block per row (inference), its context read from the drafter's cache in parts
+        (`CachedContext`, layer ``layer``): x [N, 1, G, D], positions int [N, 1, G] -> [N, 1, G, D]."""
+        return self._layer(x, positions, lambda q, carry: context.fold(layer, q, carry))
+
+    def _layer(self, x, positions, fold_context):
+        """The layer, its attention over [context ; block]: ``fold_context(q, carry) -> carry`` folds the
+        context's parts into the block's softmax state (`llama.online_softmax_step`)."""
         cfg = self.cfg
         N, B, G, _ = x.shape
         H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -184,27 +195,34 @@ class DraftLayer(nnx.Module):
         q = self._rope(q, positions).reshape(N, B, G, K, Q, E) * (E**-0.5)
         kb, vb = self.context_kv(h, positions)  # [N, B, G, K, E]
         # Scores laid out [N, K, B, G, Q, *]: the products' batch axes (n, k) lead, so XLA neither transposes nor
-        # copies the [.., S] tensors. The softmax runs over the context and block parts without joining them:
-        # one shared maximum (finite: every block slot sees the whole block) and one denominator, applied
-        # after the products with the values.
+        # copies the [.., S] tensors. One softmax over the context and the block without joining them: the
+        # block's part first (its maximum finite: every block slot sees the whole block), the context's parts
+        # folded in (online softmax), the denominator applied after the products with the values.
         f32 = jnp.float32  # scores, sums and the unnormalised value products accumulate in float32 (a float16
         # product of S exponentials and values can pass 65504 before the division)
-        # [N, K, B, G, Q, S]; the context an operand in the cache's dtype (a bf16 cache is never cast to float32)
-        s_ctx = jnp.einsum("nbgkqe,nske->nkbgqs", q.astype(ctx_k.dtype), ctx_k, preferred_element_type=f32)
         s_blk = jnp.einsum("nbgkqe,nbhke->nkbgqh", q, kb, preferred_element_type=f32)  # [N, K, B, G, Q, G]
-        s_ctx = jnp.where(ctx_mask[:, None, :, None, None, :], s_ctx, -jnp.inf)
         # The softmax does not depend on the shift: no gradient flows through the maximum (exact, and it spares
         # the backward pass a compare-and-select over the whole score tensor).
-        top = lax.stop_gradient(jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True),
-                                            jnp.max(s_blk, axis=-1, keepdims=True)))
-        e_ctx, e_blk = jnp.exp(s_ctx - top), jnp.exp(s_blk - top)  # masked context positions: exp(-inf) = 0
-        denom = jnp.sum(e_ctx, axis=-1, keepdims=True) + jnp.sum(e_blk, axis=-1, keepdims=True)
-        out = (jnp.einsum("nkbgqs,nske->nkbgqe", e_ctx.astype(ctx_v.dtype), ctx_v, preferred_element_type=f32)
-               + jnp.einsum("nkbgqh,nbhke->nkbgqe", e_blk.astype(x.dtype), vb, preferred_element_type=f32)) / denom
-        out = jnp.transpose(out, (0, 2, 3, 1, 4, 5)).astype(x.dtype)  # [N, B, G, K, Q, E]
+        top = lax.stop_gradient(jnp.max(s_blk, axis=-1, keepdims=True))
+        e_blk = jnp.exp(s_blk - top)
+        carry = (top, jnp.sum(e_blk, axis=-1, keepdims=True),
+                 jnp.einsum("nkbgqh,nbhke->nkbgqe", e_blk.astype(x.dtype), vb, preferred_element_type=f32))
+        _, denom, acc = fold_context(q, carry)
+        out = jnp.transpose(acc / denom, (0, 2, 3, 1, 4, 5)).astype(x.dtype)  # [N, B, G, K, Q, E]
         x = x + self.wo(out.reshape(N, B, G, H * E))
         h = self.mlp_norm(x)
         return x + self.w_down(jax.nn.silu(self.w_gate(h)) * self.w_up(h))
+
+
+def _context_part(q, carry, ctx_k, ctx_v, visible):
+    """Fold one part of the context into a block's softmax state: q [N, B, G, K, Q, E], ctx_k and ctx_v
+    [N, S, K, E] (operands in the cache's dtype: a bf16 cache is never cast to float32), visible broadcastable
+    to [N, K, B, G, Q, S]; carry (top, denom [N, K, B, G, Q, 1], acc [N, K, B, G, Q, E]) float32."""
+    top, denom, acc = carry
+    s_ctx = jnp.einsum("nbgkqe,nske->nkbgqs", q.astype(ctx_k.dtype), ctx_k, preferred_element_type=jnp.float32)
+    top, denom, weights, keep = online_softmax_step(top, denom, s_ctx, visible)
+    pv = jnp.einsum("nkbgqs,nske->nkbgqe", weights.astype(ctx_v.dtype), ctx_v, preferred_element_type=jnp.float32)
+    return top, denom, acc * keep + pv
 
 
 class Drafter(nnx.Module):
@@ -287,6 +305,15 @@ class Drafter(nnx.Module):
         Returns:
           [N, B, G, D] final-normed hidden states h_k (slot k predicts x_{k+1}).
         """
+        return self._hidden(anchors, anchor_pos, embed,
+                            lambda i, layer, x, pos: layer(x, pos, ctx_k[i], ctx_v[i], ctx_mask))
+
+    def hidden_cached(self, context: "CachedContext", anchors, anchor_pos, embed):
+        """Block hidden states of one block per row, the context read from the drafter's cache in parts
+        (`CachedContext`): anchors, anchor_pos int [N, 1] -> [N, 1, G, D] (as `hidden`)."""
+        return self._hidden(anchors, anchor_pos, embed, lambda i, layer, x, pos: layer.cached(x, pos, context, i))
+
+    def _hidden(self, anchors, anchor_pos, embed, run_layer):
         G = self.cfg.block
         table = self.embed[...] if self.cfg.own_embeddings else embed  # [V, D]
         dtype = self.ctx_proj.kernel[...].dtype
@@ -296,7 +323,7 @@ class Drafter(nnx.Module):
         x = jnp.concatenate([first, rest], axis=2)  # [N, B, G, D]
         positions = anchor_pos[..., None] + jnp.arange(G, dtype=jnp.int32)  # [N, B, G]
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, ctx_k[i], ctx_v[i], ctx_mask)
+            x = run_layer(i, layer, x, positions)
         return self.final_norm(x)
 
     # ------------------------------------------------------------------ sequential and confidence heads
@@ -402,33 +429,36 @@ def sample_block(drafter: Drafter, h: jax.Array, anchors: jax.Array, keys: jax.A
     t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (R,))[:, None]  # [R, 1]
     greedy = t <= 0
 
-    def step(carry, xs):
-        prev, state = carry
-        h_k, base_k, key_k = xs  # [R, D], [R, W], [R]
-        if cfg.sequential:
-            e_prev = drafter.prev_embedding(prev) if cfg.uses_prev_token else None
-            bias, conf, state = drafter.head_step(h_k, e_prev, state)
-        else:
-            bias, conf = None, None
-        logits = base_k if bias is None else base_k + bias.astype(jnp.float32)
-        probs = jax.nn.softmax(logits / jnp.where(greedy, 1.0, t), axis=-1)
-        top = first_argmax(logits)  # [R]
-        probs = jnp.where(greedy, jax.nn.one_hot(top, logits.shape[-1], dtype=jnp.float32), probs)
+    def scan(sampling: bool):
+        """The G slots left to right; ``sampling``: some row samples (else every row takes the argmax, and the
+        softmax and the draw, which cost more than the rest of a step, are not computed)."""
+        def step(carry, xs):
+            prev, state = carry
+            h_k, base_k, key_k = xs  # [R, D], [R, W], [R]
+            if cfg.sequential:
+                e_prev = drafter.prev_embedding(prev) if cfg.uses_prev_token else None
+                bias, conf, state = drafter.head_step(h_k, e_prev, state)
+            else:
+                bias, conf = None, None
+            logits = base_k if bias is None else base_k + bias.astype(jnp.float32)
+            top = first_argmax(logits)  # [R]
+            probs = jax.nn.one_hot(top, logits.shape[-1], dtype=jnp.float32)  # a greedy row's law
+            idx = top.astype(jnp.int32)
+            if sampling:
+                probs = jnp.where(greedy, probs, jax.nn.softmax(logits / jnp.where(greedy, 1.0, t), axis=-1))
+                idx = jnp.where(greedy[:, 0], idx, categorical(key_k, safe_log(probs))).astype(jnp.int32)
+            token = drafter.vocab_ids[...][idx]
+            if conf is None:
+                conf = proxy_confidence_logit(logits)
+            conf = conf.astype(jnp.float32)
+            return (token, state), (token, probs, conf)
 
-        def draw():  # only where some row samples: the draw costs more than the rest of the step
-            drawn = categorical(key_k, safe_log(probs))
-            return jnp.where(greedy[:, 0], top, drawn).astype(jnp.int32)
+        state0 = jnp.zeros((R, cfg.rank), h.dtype)
+        xs = (jnp.moveaxis(h, 1, 0), jnp.moveaxis(base, 1, 0), jnp.moveaxis(step_keys, 1, 0))
+        return lax.scan(step, (anchors.astype(jnp.int32), state0), xs)[1]
 
-        idx = lax.cond(jnp.all(greedy), lambda: top.astype(jnp.int32), draw)
-        token = drafter.vocab_ids[...][idx]
-        if conf is None:
-            conf = proxy_confidence_logit(logits)
-        conf = conf.astype(jnp.float32)
-        return (token, state), (token, probs, conf)
-
-    state0 = jnp.zeros((R, cfg.rank), h.dtype)
-    xs = (jnp.moveaxis(h, 1, 0), jnp.moveaxis(base, 1, 0), jnp.moveaxis(step_keys, 1, 0))
-    _, (tokens, probs, conf) = lax.scan(step, (anchors.astype(jnp.int32), state0), xs)
+    # one decision for the block (a constant temperature folds it away)
+    tokens, probs, conf = lax.cond(jnp.all(greedy), lambda: scan(False), lambda: scan(True))
     return jnp.moveaxis(tokens, 0, 1), jnp.moveaxis(probs, 0, 1), jnp.moveaxis(conf, 0, 1)
 
 
@@ -508,6 +538,54 @@ def write_context(drafter: Drafter, cache: DrafterCache | PagedDrafterCache, tap
     )
 
 
+class CachedContext:
+    """The drafter's context cache as the rows of a draft read it: layer by layer, in parts up to the rows'
+    longest context (`llama.over_context`; one program for every context), or over a static window.
+
+    Args:
+      cache: a `DrafterCache` or `PagedDrafterCache`.
+      rows: int [N] the rows' slots, or None: every slot in slot order, read in place (dense cache).
+      ctx_len: int [N] each row sees the positions below its own.
+      block_tables: int [S, Np] the target cache's block table (a `PagedDrafterCache` only).
+      context: optional static bound >= every ctx_len: one part over positions below it instead.
+    """
+
+    def __init__(self, cache, rows, ctx_len, block_tables=None, context: int | None = None):
+        self.cache, self.rows, self.ctx_len = cache, rows, ctx_len
+        self.paged = isinstance(cache, PagedDrafterCache)
+        if self.paged:
+            self.unit = cache.k.shape[2]
+            self.tables = block_tables if rows is None else block_tables[rows]  # [N, Np]
+            capacity = self.tables.shape[1] * self.unit
+        else:
+            self.unit, capacity = 1, cache.k.shape[2]
+        self.static = context is not None
+        self.span = capacity if context is None else min(-(-int(context) // self.unit) * self.unit, capacity)
+        self.bound = jnp.max(ctx_len)
+
+    def read(self, layer: int, start, size: int):
+        """Keys and values [N, size, K, E] of layer ``layer`` at positions [start, start + size)."""
+        k, v = self.cache.k, self.cache.v
+        if self.paged:
+            pages = lax.dynamic_slice_in_dim(self.tables, start // self.unit, size // self.unit, axis=1)  # [N, n]
+            return tuple(c[layer, pages].reshape(pages.shape[0], size, *c.shape[3:]) for c in (k, v))
+        _, S, _, K, E = k.shape
+        if self.rows is None:
+            return tuple(lax.dynamic_slice(c, (layer, 0, start, 0, 0), (1, S, size, K, E))[0] for c in (k, v))
+        return tuple(jax.vmap(lambda r, c=c: lax.dynamic_slice(c, (layer, r, start, 0, 0), (1, 1, size, K, E))[0, 0])(
+            self.rows) for c in (k, v))
+
+    def fold(self, layer: int, q, carry):
+        """Fold every part of layer ``layer``'s context into a block's softmax state (`_context_part`)."""
+        def part(read, start, size, carry):
+            ctx_k, ctx_v = self.read(layer, read, size)
+            pos = read + jnp.arange(size, dtype=jnp.int32)
+            visible = (pos[None, :] < self.ctx_len[:, None]) & (pos >= start)  # [N, size]
+            return _context_part(q, carry, ctx_k, ctx_v, visible[:, None, None, None, None, :])
+
+        return over_context(part, carry, self.bound, self.span, unit=self.unit, static=self.static)
+
+
 def draft(drafter: Drafter, cache: DrafterCache | PagedDrafterCache, slots, ctx_len, anchors, keys, temperature,
           embed, head_w, context: int | None = None, block_tables: jax.Array | None = None):
     """Draft one block for each of R requests (one backbone pass, then the sequential scan).
@@ -518,28 +596,14 @@ def draft(drafter: Drafter, cache: DrafterCache | PagedDrafterCache, slots, ctx_
       ctx_len: int [R] committed tokens of each slot (= the anchor's position).
       anchors: int [R] anchor tokens; keys: [R] PRNG keys; temperature: float [] or [R] (per row).
       embed: [V, D] frozen target embedding; head_w: [D, W] frozen LM head over the draft vocabulary.
-      context: optional static bound >= every ctx_len: only cache positions below it are read.
-      block_tables: int [S, N] the target cache's block table (a `PagedDrafterCache` only): the rows' pages
-        up to ``context`` are gathered.
+      context: optional static bound >= every ctx_len: only cache positions below it are read, in one part;
+        None: the cache is read in parts up to the longest ctx_len (`CachedContext`).
+      block_tables: int [S, N] the target cache's block table (a `PagedDrafterCache` only).
     Returns:
       tokens int32 [R, G], probs float32 [R, G, W], confidence logits float32 [R, G].
     """
-    if isinstance(cache, PagedDrafterCache):
-        ps, N = cache.k.shape[2], block_tables.shape[1]
-        n = N if context is None else min(N, -(-int(context) // ps))
-        pages = (block_tables if slots is None else block_tables[slots])[:, :n]  # [R, n]
-        L, R = cache.k.shape[0], pages.shape[0]
-        C = n * ps
-        ctx_k = cache.k[:, pages].reshape(L, R, C, *cache.k.shape[3:])  # [L, R, C, K, E]
-        ctx_v = cache.v[:, pages].reshape(L, R, C, *cache.v.shape[3:])
-    else:
-        C = cache.k.shape[2] if context is None else min(int(context), cache.k.shape[2])
-        if slots is None:
-            ctx_k, ctx_v = cache.k[:, :, :C], cache.v[:, :, :C]  # [L, S, C, K, E]
-        else:
-            ctx_k, ctx_v = cache.k[:, slots, :C], cache.v[:, slots, :C]  # [L, R, C, K, E]
-    ctx_mask = (jnp.arange(C)[None, :] < ctx_len[:, None])[:, None, :]  # [R, 1, C]
-    h = drafter.hidden(ctx_k, ctx_v, ctx_mask, anchors[:, None], ctx_len[:, None], embed)[:, 0]  # [R, G, D]
+    ctx = CachedContext(cache, slots, ctx_len, block_tables, context)
+    h = drafter.hidden_cached(ctx, anchors[:, None], ctx_len[:, None], embed)[:, 0]  # [R, G, D]
     return sample_block(drafter, h, anchors, keys, temperature, head_w)
 
 

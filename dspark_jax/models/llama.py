@@ -33,8 +33,10 @@ from dspark_jax import kernels
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Chunk sizes for prefill: a prompt is cut into chunks of these sizes, so prompt lengths do not each compile.
 PREFILL_CHUNKS = (16, 64, 256)
-# Granularity of the attention window over the cache (see `context_bucket`).
+# Granularity of the attention window over the cache (see `context_bucket`), and of the reads of `over_context`.
 CONTEXT_STEP = 128
+# Positions one iteration of `over_context`'s loop reads: contexts up to a chunk run no loop iteration.
+ATTENTION_CHUNK = 512
 
 
 def context_bucket(n: int, capacity: int, step: int = CONTEXT_STEP) -> int:
@@ -492,21 +494,23 @@ def _forward(weights: LlamaWeights, cache: KVCache | PagedKVCache, tokens: jax.A
         grows with T * C (packed verification without a bound M).
     With "grid", `row_slots` (int [R], static R) restricts the grid to those slots: their caches are gathered
     (R rows instead of all S), so the cost follows the number of active requests; tokens of other slots are
-    not allowed. `context` (static) reads only cache positions [0, context): every valid position must lie
-    below it; the cost then follows the context actually held rather than the capacity.
+    not allowed. Without `context`, the caches are read in parts up to the call's longest position
+    (`over_context`): the cost follows the context held, in one program for every context. `context` (static)
+    reads only cache positions [0, context) in one part instead (every valid position must lie below it).
 
-    A `PagedKVCache` is written through its block table and read by `kernels.ragged_paged_attention`
-    (``attention_impl``, static: "auto" picks the backend's kernel): the same tokens see the same positions.
+    A `PagedKVCache` is written through its block table and read on the same XLA path on a CPU, by
+    `kernels.ragged_paged_attention` elsewhere or when ``attention_impl`` (static) names an implementation: the
+    same tokens see the same positions.
     """
     T = tokens.shape[0]
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     dtype = weights.embed.dtype
-    if isinstance(cache, PagedKVCache):
+    if isinstance(cache, PagedKVCache) and (attention_impl != "auto" or jax.default_backend() != "cpu"):
         layer_caches, kv_step = _paged_kv_step(cache, slots, positions, valid, cfg, reads=reads, max_per_slot=max_per_slot,
                                                row_slots=row_slots, context=context, impl=attention_impl)
     else:
-        layer_caches, kv_step = _slot_kv_step(cache, slots, positions, valid, cfg, reads=reads,
-                                              max_per_slot=max_per_slot, row_slots=row_slots, context=context)
+        layer_caches, kv_step = _xla_kv_step(cache, slots, positions, valid, cfg, reads=reads,
+                                             max_per_slot=max_per_slot, row_slots=row_slots, context=context)
 
     def layer(x, lw: LayerWeights, layer_cache):
         h = rms_norm(x, lw.attn_norm, cfg.norm_eps)
@@ -537,27 +541,114 @@ def _forward(weights: LlamaWeights, cache: KVCache | PagedKVCache, tokens: jax.A
     return extras, cache.replace(k=tuple(k for k, _ in new_caches), v=tuple(v for _, v in new_caches))
 
 
-def _slot_kv_step(cache: KVCache, slots, positions, valid, cfg: LlamaConfig, *, reads: str, max_per_slot: int,
-                  row_slots, context: int | None):
-    """The slot layout's per-layer step for `_forward`: (the layers' (k, v) caches, step), where
-    ``step(q [T, H, E], k, v [T, K, E], (k_cache, v_cache)) -> (attention [T, H, E] float32, (k_cache, v_cache))``
-    writes the tokens' K/V and attends over the slot caches as ``reads`` says."""
+def context_plan(span: int, *, unit: int = 1, step: int = CONTEXT_STEP,
+                 chunk: int = ATTENTION_CHUNK) -> tuple[int, int, tuple[int, ...]]:
+    """How `over_context` reads a cache of ``span`` positions: (step, chunk, tail sizes), every size a multiple
+    of ``unit`` (a page) and at most ``span``.
+
+    >>> context_plan(8192), context_plan(64)
+    ((128, 512, (128, 256, 384, 512)), (64, 64, (64,)))
+    """
+    step = min(-(-step // unit) * unit, span)
+    chunk = max(step, min(chunk, span) // step * step)
+    return step, chunk, tuple(range(step, chunk + 1, step))
+
+
+def over_context(part, carry, bound, span: int, *, unit: int = 1, static: bool = False):
+    """Fold ``part(read, start, size, carry) -> carry`` over cache positions [0, bound) in parts, so that the
+    cost follows ``bound`` (an array: the longest context of the call), not ``span`` (the capacity).
+
+    One ``lax.switch`` per call picks the reads: contexts that fit one chunk (`ATTENTION_CHUNK` positions) read
+    one part of the smallest multiple of `CONTEXT_STEP` that holds them, what a static window of that rounding
+    reads; longer ones read whole chunks in a ``lax.while_loop``, then the rest in steps (a second loop). One
+    program serves every context. ``part`` reads positions [read, read + size) (``size`` static) and must ignore
+    those below ``start``: ``read < start`` only where the span's end clamps a part back over positions an
+    earlier part took. ``static``: one part over the whole span (a static window), no control flow.
+
+    Args:
+      part: the attention of one part folded into the running state.
+      carry: the running state (`online_softmax_step`'s sums and the weighted values).
+      bound: int32 [] no query sees a position at or past it.
+      span: static positions the cache holds (reads stay below it); unit: static, every read's start and size
+        are multiples of it (a page).
+    Returns:
+      the carry after the parts.
+    """
+    if static:
+        return part(0, 0, span, carry)
+    step, chunk, sizes = context_plan(span, unit=unit)
+    total = jnp.minimum((jnp.maximum(bound, 1) + step - 1) // step * step, span)  # positions to read
+
+    def run(start, size, carry):
+        return part(jnp.minimum(start, span - size), start, size, carry)
+
+    def short(size, carry):  # [0, total) in one part
+        return run(jnp.int32(0), size, carry)
+
+    branches = [functools.partial(short, size) for size in sizes]
+    if span > chunk:
+        def long(carry):  # whole chunks, then steps
+            full = total // chunk
+            carry = lax.fori_loop(0, full, lambda i, c: run(i * chunk, chunk, c), carry)
+            return lax.fori_loop(0, (total - full * chunk + step - 1) // step,
+                                 lambda i, c: run(full * chunk + i * step, step, c), carry)
+
+        branches.append(long)
+    if len(branches) == 1:
+        return branches[0](carry)
+    index = jnp.minimum((total + step - 1) // step - 1, len(branches) - 1)  # past the sizes: the long branch
+    return lax.switch(index, branches, carry)
+
+
+def online_softmax_step(top, denom, scores, visible):
+    """One part of a softmax taken over parts of its axis (online softmax), in float32.
+
+    Args:
+      top, denom: [..., 1] the running maximum (-inf before any visible score) and sum of the earlier parts.
+      scores: float32 [..., n] this part's scores; visible: bool, broadcastable to ``scores``.
+    Returns:
+      (top, denom) after this part, the part's weights ``exp(scores - top)`` [..., n] (0 where not visible),
+      and the factor [..., 1] that rescales the earlier parts' weighted sums to the new maximum. A row that has
+      seen nothing keeps top -inf, denom 0 (divide by ``where(denom > 0, denom, 1)``: zeros, not NaN).
+    """
+    scores = jnp.where(visible, scores, -jnp.inf)
+    # the result does not depend on the shift: no gradient flows through it
+    new_top = lax.stop_gradient(jnp.maximum(top, jnp.max(scores, axis=-1, keepdims=True)))
+    shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+    weights = jnp.exp(scores - shift)  # exp(-inf) = 0 where not visible
+    keep = jnp.exp(top - shift)
+    return new_top, denom * keep + jnp.sum(weights, axis=-1, keepdims=True), weights, keep
+
+
+def _xla_kv_step(cache: KVCache | PagedKVCache, slots, positions, valid, cfg: LlamaConfig, *, reads: str,
+                 max_per_slot: int, row_slots, context: int | None):
+    """The XLA path's per-layer step for `_forward` (slot caches, and page pools on the CPU): (the layers'
+    caches, step), where ``step(q [T, H, E], k, v [T, K, E], layer_cache) -> (attention [T, H, E] float32,
+    layer_cache)`` writes the tokens' K/V and attends over the caches as ``reads`` says, reading the context in
+    parts up to the call's longest (`over_context`), or over a static ``context`` window when one is given."""
     T = slots.shape[0]
-    S, C = cache.num_slots, cache.capacity
-    C = C if context is None else min(int(context), C)
+    paged = isinstance(cache, PagedKVCache)
+    S = cache.num_slots
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     Q, M = H // K, max_per_slot
     f32 = jnp.float32
+    unit = cache.page_size if paged else 1
+    span = cache.capacity if context is None else min(-(-int(context) // unit) * unit, cache.capacity)
+    bound = jnp.max(jnp.where(valid, positions, 0)) + 1  # [] no token sees a position at or past it
 
-    write_slots = jnp.where(valid, slots, S)  # out of range: mode="drop" writes nothing for padding
-    write_positions = positions
-    if T == 1:
-        # A scatter of one index becomes a dynamic-update-slice, around which XLA:CPU copies every layer's
-        # cache of a one-slot cache (4 copies per layer; a 1-slot decode step took 1.6x a 2-slot one). A second,
-        # dropped index keeps it a scatter.
-        write_slots = jnp.concatenate([write_slots, jnp.full((1,), S, jnp.int32)])
-        write_positions = jnp.concatenate([positions, jnp.zeros((1,), positions.dtype)])
     read_slots = jnp.clip(slots, 0, S - 1)
+    if paged:
+        write_at = kernels.slot_mapping(cache.block_tables, jnp.where(valid, read_slots, -1), positions, unit)
+    else:
+        write_slots = jnp.where(valid, slots, S)  # out of range: mode="drop" writes nothing for padding
+        write_positions = positions
+        if T == 1:
+            # A scatter of one index becomes a dynamic-update-slice, around which XLA:CPU copies every layer's
+            # cache of a one-slot cache (4 copies per layer; a 1-slot decode step took 1.6x a 2-slot one). A
+            # second, dropped index keeps it a scatter.
+            write_slots = jnp.concatenate([write_slots, jnp.full((1,), S, jnp.int32)])
+            write_positions = jnp.concatenate([positions, jnp.zeros((1,), positions.dtype)])
+    token_pos = jnp.where(valid, positions, -1)  # a padding token sees nothing
     if reads == "grid":
         # Token t goes to cell row * M + (number of earlier valid tokens of its row); padding to R * M (dropped).
         grid_slots = jnp.arange(S, dtype=jnp.int32) if row_slots is None else row_slots.astype(jnp.int32)
@@ -568,62 +659,93 @@ def _slot_kv_step(cache: KVCache, slots, positions, valid, cfg: LlamaConfig, *, 
         placed = valid & jnp.any(onehot, axis=1) & (rank < M)
         cell = jnp.where(placed, token_row * M + rank, G * M)  # [T]
         cell_pos = jnp.full((G * M,), -1, jnp.int32).at[cell].set(positions, mode="drop")  # [G*M]
-        visible = (jnp.arange(C)[None, :] <= cell_pos[:, None]).reshape(G, 1, M, 1, C)  # [G, K, M, Q, C]
-    else:
-        # [T, C] a token sees its slot's positions up to its own (committed prefix + earlier new tokens).
-        visible = (jnp.arange(C)[None, :] <= positions[:, None]) & valid[:, None]
-        visible = visible[:, None, None, :] if reads == "per_token" else visible[None, None, :, None, :]
+        query_pos = cell_pos.reshape(G, 1, M, 1, 1)  # [B, K, R, Q, 1]: each query row's position
+        rows = None if (row_slots is None and not paged) else grid_slots  # None: every slot read in place
+    elif reads in ("one_slot", "one_slot_masked"):
+        query_pos = token_pos[None, None, :, None, None]
+        rows = read_slots[:1]
+    else:  # per_token: every token reads its slot's cache
+        query_pos = token_pos[:, None, None, None, None]
+        rows = read_slots
+    tables = cache.block_tables[rows] if paged else None  # [B, N]
 
-    def attend(q, k_cache, v_cache):
-        """q [T, K, Q, E] (scaled) -> [T, K, Q, E], against one layer's cache k [S, K, E, C], v [S, K, C, E].
+    def read_kv(layer_cache, read, size):
+        """Keys [B, K, E, size] and values [B, K, size, E] of the rows at positions [read, read + size)."""
+        if paged:
+            kv = layer_cache[lax.dynamic_slice_in_dim(tables, read // unit, size // unit, axis=1)]  # [B, n, ps, 2K, E]
+            kv = kv.reshape(kv.shape[0], size, K, 2, E)
+            return kv[:, :, :, 0].transpose(0, 2, 3, 1), kv[:, :, :, 1].transpose(0, 2, 1, 3)
+        k_cache, v_cache = layer_cache
+        if reads == "one_slot":
+            return (lax.dynamic_slice(k_cache, (rows[0], 0, 0, read), (1, K, E, size)),
+                    lax.dynamic_slice(v_cache, (rows[0], 0, read, 0), (1, K, size, E)))
+        keys = lax.dynamic_slice_in_dim(k_cache, read, size, axis=3)  # [S, K, E, size]
+        values = lax.dynamic_slice_in_dim(v_cache, read, size, axis=2)  # [S, K, size, E]
+        if reads == "one_slot_masked":  # the slot picked by a masked sum over the slot axis (see prefill)
+            pick = (jnp.arange(S) == rows[0])[:, None, None, None]
+            return jnp.where(pick, keys, 0).sum(0)[None], jnp.where(pick, values, 0).sum(0)[None]
+        if rows is None:
+            return keys, values
+        return (jax.vmap(lambda r: lax.dynamic_slice(k_cache, (r, 0, 0, read), (1, K, E, size))[0])(rows),
+                jax.vmap(lambda r: lax.dynamic_slice(v_cache, (r, 0, read, 0), (1, K, size, E))[0])(rows))
+
+    def attend(q, layer_cache):
+        """q [T, K, Q, E] (scaled, in the cache's dtype) -> [T, K, Q, E] float32.
 
         Every product is laid out as a batched matrix product with the batch axes leading (XLA's CPU dot is
         several times slower otherwise).
         """
-        if reads == "per_token":
-            keys, values = k_cache[read_slots, ..., :C], v_cache[read_slots, :, :C]  # [T, K, E, C], [T, K, C, E]
-            probs = masked_softmax(jnp.einsum("tkqe,tkec->tkqc", q, keys, preferred_element_type=f32), visible)
-            return jnp.einsum("tkqc,tkce->tkqe", probs.astype(values.dtype), values, preferred_element_type=f32)
-        if reads == "one_slot":
-            keys = k_cache[read_slots[0], ..., :C][None]  # [1, K, E, C]
-            values = v_cache[read_slots[0], :, :C][None]  # [1, K, C, E]
-            rows = q.transpose(1, 0, 2, 3)[None]  # [1, K, T, Q, E]
-        elif reads == "one_slot_masked":  # the slot picked by a masked sum over the slot axis (see prefill)
-            pick = (jnp.arange(S) == read_slots[0])[:, None, None, None]
-            keys = jnp.where(pick, k_cache[..., :C], 0).sum(0)[None]  # [1, K, E, C]
-            values = jnp.where(pick, v_cache[:, :, :C], 0).sum(0)[None]  # [1, K, C, E]
-            rows = q.transpose(1, 0, 2, 3)[None]  # [1, K, T, Q, E]
-        else:  # grid
-            if row_slots is None:  # every slot, read in place
-                keys, values = k_cache[..., :C], v_cache[:, :, :C]  # [S, K, E, C], [S, K, C, E]
-            else:  # the rows' slots only
-                keys, values = k_cache[grid_slots, ..., :C], v_cache[grid_slots, :, :C]  # [G, K, E, C]...
+        if reads == "grid":
             grid = jnp.zeros((G * M, K, Q, E), q.dtype).at[cell].set(q, mode="drop")
-            rows = grid.reshape(G, M, K, Q, E).transpose(0, 2, 1, 3, 4)  # [G, K, M, Q, E]
-        B, _, R = rows.shape[:3]
-        scores = jnp.einsum("bkre,bkec->bkrc", rows.reshape(B, K, R * Q, E), keys, preferred_element_type=f32)
-        probs = masked_softmax(scores.reshape(B, K, R, Q, C), visible)  # [B, K, R, Q, C]
-        out = jnp.einsum("bkrc,bkce->bkre", probs.reshape(B, K, R * Q, C).astype(values.dtype), values,
-                         preferred_element_type=f32)
-        out = out.reshape(B, K, R, Q, E)
+            rows_q = grid.reshape(G, M, K, Q, E).transpose(0, 2, 1, 3, 4)  # [G, K, M, Q, E]
+        elif reads == "per_token":
+            rows_q = q[:, :, None]  # [T, K, 1, Q, E]
+        else:
+            rows_q = q.transpose(1, 0, 2, 3)[None]  # [1, K, T, Q, E]
+        B, _, R = rows_q.shape[:3]
+        flat_q = rows_q.reshape(B, K, R * Q, E)
+
+        def part(read, start, size, carry):
+            top, denom, acc = carry
+            keys, values = read_kv(layer_cache, read, size)
+            pos = read + jnp.arange(size, dtype=jnp.int32)
+            visible = (pos <= query_pos) & (pos >= start)  # [B, K, R, Q, size]
+            scores = jnp.einsum("bkre,bkec->bkrc", flat_q, keys, preferred_element_type=f32)
+            top, denom, weights, keep = online_softmax_step(top, denom, scores.reshape(B, K, R, Q, size), visible)
+            pv = jnp.einsum("bkrc,bkce->bkre", weights.reshape(B, K, R * Q, size).astype(values.dtype), values,
+                            preferred_element_type=f32)
+            return top, denom, acc * keep.reshape(B, K, R * Q, 1) + pv
+
+        init = (jnp.full((B, K, R, Q, 1), -jnp.inf, f32), jnp.zeros((B, K, R, Q, 1), f32),
+                jnp.zeros((B, K, R * Q, E), f32))
+        _, denom, acc = over_context(part, init, bound, span, unit=unit, static=context is not None)
+        out = acc.reshape(B, K, R, Q, E) / jnp.where(denom > 0, denom, 1.0)
+        if reads == "per_token":
+            return out[:, :, 0]
         if reads in ("one_slot", "one_slot_masked"):
             return out[0].transpose(1, 0, 2, 3)
         out = out.transpose(0, 2, 1, 3, 4).reshape(G * M, K, Q, E)[jnp.minimum(cell, G * M - 1)]  # [T, K, Q, E]
         return jnp.where(placed[:, None, None, None], out, 0.0)
 
     def step(q, k, v, layer_cache):
-        k_cache, v_cache = layer_cache
-        # Both updates are [T, K, E]: k_cache [S, K, E, C], v_cache [S, K, C, E].
-        k_new, v_new = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
-        if T == 1:  # the dropped second index (above)
-            k_new, v_new = jnp.concatenate([k_new, k_new]), jnp.concatenate([v_new, v_new])
-        k_cache = k_cache.at[write_slots, :, :, write_positions].set(k_new, mode="drop")
-        v_cache = v_cache.at[write_slots, :, write_positions].set(v_new, mode="drop")
+        if paged:
+            layer_cache = kernels.write_kv(layer_cache, k, v, write_at)
+            dtype = layer_cache.dtype
+        else:
+            k_cache, v_cache = layer_cache
+            # Both updates are [T, K, E]: k_cache [S, K, E, C], v_cache [S, K, C, E].
+            k_new, v_new = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
+            if T == 1:  # the dropped second index (above)
+                k_new, v_new = jnp.concatenate([k_new, k_new]), jnp.concatenate([v_new, v_new])
+            k_cache = k_cache.at[write_slots, :, :, write_positions].set(k_new, mode="drop")
+            v_cache = v_cache.at[write_slots, :, write_positions].set(v_new, mode="drop")
+            layer_cache, dtype = (k_cache, v_cache), k_cache.dtype
         # scaled in float32 (a [T, H, E] tensor), then an operand in the cache's dtype: the cache is never cast
-        q = (q.reshape(T, K, Q, E).astype(f32) * (E ** -0.5)).astype(k_cache.dtype)
-        return attend(q, k_cache, v_cache).reshape(T, H, E), (k_cache, v_cache)
+        q = (q.reshape(T, K, Q, E).astype(f32) * (E ** -0.5)).astype(dtype)
+        return attend(q, layer_cache).reshape(T, H, E), layer_cache
 
-    return list(zip(cache.k, cache.v, strict=True)), step
+    layer_caches = list(cache.pages) if paged else list(zip(cache.k, cache.v, strict=True))
+    return layer_caches, step
 
 
 def _paged_kv_step(cache: PagedKVCache, slots, positions, valid, cfg: LlamaConfig, *, reads: str,
