@@ -285,6 +285,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, policy: str = "dspark") 
     g.add_argument("--max-num-batched-tokens", type=nonnegative_int, default=512,
                    help="tokens a step may run: running requests first, prompts prefilled in chunks in the rest "
                         "(0: each prompt whole at admission)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep full pages of finished and running requests (target K/V and the drafter's context) for "
+                        "later requests whose prompts start the same (default: on wherever it runs; a device mesh "
+                        "runs without it)")
+    g.add_argument("--num-prefix-pages", type=positive_int, default=None,
+                   help="pages of the prefix store of the slot layout (default: half the slots' pages); the pages "
+                        "layout keeps prefixes in its pool")
     g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="positions one request may hold (prompt, answer and one block); default: from the prompt "
                         "and answer limits")
@@ -299,7 +306,9 @@ def engine_from_args(args: argparse.Namespace, target: LlamaModel, *, num_slots:
 
         mesh = mesh_from_args(args)
     config = {"kv_layout": args.kv_layout, "block_size": args.block_size, "num_pages": args.num_gpu_blocks_override,
-              "max_num_batched_tokens": args.max_num_batched_tokens or None, **config}
+              "max_num_batched_tokens": args.max_num_batched_tokens or None,
+              "enable_prefix_caching": getattr(args, "enable_prefix_caching", None),
+              "num_prefix_pages": getattr(args, "num_prefix_pages", None), **config}
     return build_engine(target, args.policy, draft=args.draft, sps=args.sps, num_slots=num_slots,
                         max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
                         capacity=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -68,6 +68,7 @@ from dspark_jax import calibration, gate, scheduler, verify
 from dspark_jax.sampling import categorical, effective_temperature, safe_log
 from dspark_jax.sps import SPSTable, default_sps_table, plain_sps_from_cost, sps_from_cost
 from dspark_jax.timing import compile_count
+from dspark_jax.cache import prefix
 from dspark_jax.cache.pages import PagePool, pages_for
 from dspark_jax.models import drafter as dr
 from dspark_jax.models.llama import (
@@ -231,6 +232,15 @@ class EngineConfig:
     # JAX's persistent compilation cache in a user cache folder (`use_compilation_cache`; the environment variable
     # DSPARK_JAX_COMPILATION_CACHE=0 turns it off too): a restarted engine reads its programs back.
     compilation_cache: bool = True
+    # Automatic prefix caching (vLLM's ``enable_prefix_caching``): full pages of committed tokens are kept under
+    # a key chained from every token before them, after their request ends, and a request whose prompt starts with
+    # kept pages takes them instead of prefilling them, the drafter's context with them (`cache.pages`,
+    # `cache.prefix`). None: on wherever it runs (one device, either layout); True: required (a device mesh
+    # refuses it); False: off.
+    enable_prefix_caching: bool | None = None
+    # Pages of the slot layout's prefix store (`cache.prefix`: pages are copied there and back, the slot caches
+    # being dense); None: half as many as the slots hold. The "pages" layout keeps prefixes in its pool.
+    num_prefix_pages: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "temperature", _checked_temperature(self.temperature))
@@ -240,6 +250,11 @@ class EngineConfig:
             raise ValueError(f"block_size: expected an integer >= 1, got {self.block_size!r}")
         if self.num_pages is not None and not (isinstance(self.num_pages, (int, np.integer)) and self.num_pages >= 1):
             raise ValueError(f"num_pages: expected None or an integer >= 1, got {self.num_pages!r}")
+        if self.num_prefix_pages is not None and not (
+                isinstance(self.num_prefix_pages, (int, np.integer)) and self.num_prefix_pages >= 1):
+            raise ValueError(f"num_prefix_pages: expected None or an integer >= 1, got {self.num_prefix_pages!r}")
+        if self.enable_prefix_caching not in (None, True, False):
+            raise ValueError(f"enable_prefix_caching: expected None, True or False, got {self.enable_prefix_caching!r}")
         least = self.num_slots + PREFILL_CHUNKS[0]
         if self.max_num_batched_tokens is not None and not (
                 isinstance(self.max_num_batched_tokens, (int, np.integer)) and self.max_num_batched_tokens >= least):
@@ -633,10 +648,27 @@ class Engine:
         per_slot_pages = pages_for(config.capacity, config.block_size)
         contiguous = self.kv_layout == "slots"
         num_pages = S * per_slot_pages if contiguous or config.num_pages is None else config.num_pages
+        on_mesh = mesh is not None and mesh.devices.size > 1
+        if config.enable_prefix_caching and on_mesh:
+            raise ValueError("enable_prefix_caching: a device mesh runs without the prefix cache; set it to None "
+                             "(on where it runs) or False")
+        # The prefix cache: the pool's own pages ("pages" layout) or a store of pages copied to and from the
+        # dense slot caches ("slots" layout; `cache.prefix`).
+        self.prefix_caching = config.enable_prefix_caching is not False and not on_mesh
         self.pages = PagePool(num_pages=num_pages, page_size=config.block_size, num_slots=S,
-                              pages_per_slot=per_slot_pages, contiguous=contiguous)
+                              pages_per_slot=per_slot_pages, contiguous=contiguous,
+                              prefix_caching=self.prefix_caching and not contiguous)
         self._tables_version = self.pages.version
         state = self._init_state()
+        self.prefix_store: prefix.PrefixStore | None = None
+        self._prefix_pages: prefix.PrefixPages | None = None
+        if self.prefix_caching and contiguous:
+            store_pages = config.num_prefix_pages or max(1, S * per_slot_pages // 2)
+            self.prefix_store = prefix.PrefixStore(num_pages=store_pages, page_size=config.block_size)
+            self._prefix_pages = jax.jit(functools.partial(prefix.init_prefix_pages, num_pages=store_pages,
+                                                           page_size=config.block_size))(state.cache, state.dcache)
+        # prompt tokens admitted, and of those taken from the prefix cache instead of prefilled
+        self.prefix_counts = {"prompt_tokens": 0, "cached_tokens": 0}
         if mesh is not None:
             from dspark_jax.sharding import place  # noqa: PLC0415
 
@@ -818,6 +850,8 @@ class Engine:
             slots = np.flatnonzero(self.slot_request == request_id)
             if not slots.size:
                 return False
+            if int(slots[0]) not in self.prefilling:  # a decoding request's committed pages stay useful
+                self._publish(int(slots[0]), self._committed(int(slots[0])), bool(self.slot_context[slots[0]]))
             self._release(int(slots[0]))
         self.requests[request_id].cancelled = True
         self._forget_stops(request_id)
@@ -866,12 +900,16 @@ class Engine:
         while free and self.pending:
             s = free[0]
             rid, prompt, max_new, sampling = self.pending[0]
-            if not self.pages.reserve(s, len(prompt) + max_new + self.G + 1):
+            context = self._admission_context(load)
+            hit = self._prefix_lookup(prompt, context)
+            shared = hit if self.prefix_store is None else ()
+            if not self.pages.reserve(s, len(prompt) + max_new + self.G + 1, shared=shared):
                 break  # waits, first in first out, for pages a finishing request gives back
             self.pending.popleft()
             free.pop(0)
             self.slot_request[s] = rid
-            self.prefilling[s] = _Prefilling(rid, prompt, max_new, sampling, self._admission_context(load))
+            job = self.prefilling[s] = _Prefilling(rid, prompt, max_new, sampling, context)
+            self._prefix_take(s, job, hit)
         budget = None if self.cfg.max_num_batched_tokens is None else self.cfg.max_num_batched_tokens - decoding
         emitted = 0
         for s in list(self.prefilling):  # in admission order
@@ -887,10 +925,90 @@ class Engine:
             emitted += self._join(s, job, logits)
         return emitted
 
+    # ------------------------------------------------------------------------------------------------ prefixes
+    def _namespace(self, context: bool) -> bytes:
+        """The prefix cache's namespace of pages written with (b"ctx") or without the drafter's context."""
+        return b"ctx" if context and self.drafter is not None else b""
+
+    def _prefix_lookup(self, prompt: list[int], context: bool) -> list[int]:
+        """Pages (the pool's, or the slot layout's store's) holding the longest cached run of ``prompt``'s full
+        pages: of pages with the drafter's context for a request that gets it; of either kind otherwise (the
+        target's K/V are the same)."""
+        if not self.prefix_caching:
+            return []
+        find = self.pages.lookup if self.prefix_store is None else self.prefix_store.lookup
+        hit = find(prompt, self._namespace(context))
+        if not context and self.drafter is not None:
+            other = find(prompt, b"ctx")
+            hit = other if len(other) > len(hit) else hit
+        return hit
+
+    def _prefix_take(self, slot: int, job: "_Prefilling", hit: list[int]) -> None:
+        """Start ``job``'s prefill after the cached pages ``hit``: attached to the slot's block table (pages
+        layout) or copied into its caches (slot layout)."""
+        self.prefix_counts["prompt_tokens"] += len(job.prompt)
+        if not hit:
+            return
+        if self.prefix_store is None:
+            self.pages.attach(slot, hit)
+        else:
+            self.pages.ensure(slot, len(hit) * self.pages.page_size)
+            a, b, n = prefix.as_pairs(list(enumerate(hit)), self.pages.pages_per_slot)
+            state = self.state
+            cache, dcache = prefix.load_pages(self._prefix_pages, state.cache, state.dcache, np.int32(slot), a, b, n)
+            self.state = state.replace(cache=cache, dcache=dcache)
+        job.done = len(hit) * self.pages.page_size
+        self.prefix_counts["cached_tokens"] += job.done
+
+    def _publish(self, slot: int, tokens: Sequence[int], context: bool) -> None:
+        """Keep ``slot``'s full pages of ``tokens`` (its committed tokens, from position 0) in the prefix cache:
+        published in the pool (pages layout) or copied into the store (slot layout)."""
+        if not self.prefix_caching:
+            return
+        ns = self._namespace(context)
+        if self.prefix_store is None:
+            self.pages.publish(slot, tokens, ns)
+            return
+        pairs = self.prefix_store.add(tokens, ns)
+        if pairs:
+            a, b, n = prefix.as_pairs(pairs, self.pages.pages_per_slot)
+            self._prefix_pages = prefix.save_pages(self._prefix_pages, self.state.cache, self.state.dcache,
+                                                   np.int32(slot), a, b, n)
+
+    def _committed(self, slot: int) -> list[int]:
+        """The tokens whose K/V ``slot``'s caches hold: its prompt and the output the target has processed."""
+        c = self.requests[int(self.slot_request[slot])]
+        return (c.prompt_ids + c.output_ids)[: int(self.slot_length[slot])]
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """The prefix cache's counters: ``hit_rate`` (prompt tokens taken from the cache / prompt tokens
+        admitted), ``cached_tokens``, ``prompt_tokens``, ``pages_in_use`` (pages held by requests),
+        ``cached_pages`` (pages kept for later requests), ``evictions``.
+
+        >>> from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
+        >>> cfg = LlamaConfig.tiny()
+        >>> e = Engine(LlamaModel(cfg, init_random_weights(cfg, jax.random.key(0))), None, "none",
+        ...            EngineConfig(num_slots=2, capacity=128, block_size=4))
+        >>> _ = e.run([list(range(1, 12))], 3)
+        >>> _ = e.run([list(range(1, 12))], 3)  # the second request finds the first's prompt pages
+        >>> e.prefix_cache_stats()["cached_tokens"], e.prefix_cache_stats()["prompt_tokens"]
+        (8, 22)
+        """
+        c = self.prefix_counts
+        store = self.prefix_store
+        return {
+            "hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
+            "cached_tokens": c["cached_tokens"], "prompt_tokens": c["prompt_tokens"],
+            "pages_in_use": self.pages.used_pages,
+            "cached_pages": store.stored_pages if store is not None else self.pages.cached_pages,
+            "evictions": store.evictions if store is not None else self.pages.evictions,
+        }
+
     def _join(self, slot: int, job: "_Prefilling", logits) -> int:
         """A prefilled request's first token (from the prompt's last logits), then it decodes from ``slot`` (or
         ends there, its budget one token or its first token a stop). Returns 1, the token emitted."""
         rid, prompt = job.rid, job.prompt
+        self._publish(slot, prompt, job.context)
         first, done = self._first_token(slot, job, logits)
         if self.drafter is not None:
             self.admissions["context" if job.context else "no_context"] += 1
@@ -1005,6 +1123,13 @@ class Engine:
         self.state = _free_slot(self.state, np.int32(0))
         self.pages.release(0)
         self._sync_block_tables()
+        if self.prefix_store is not None:  # the prefix store's copies (nothing copied: a count of 0)
+            a, b, n = prefix.as_pairs([], self.pages.pages_per_slot)
+            self._prefix_pages = prefix.save_pages(self._prefix_pages, self.state.cache, self.state.dcache,
+                                                   np.int32(0), a, b, n)
+            cache, dcache = prefix.load_pages(self._prefix_pages, self.state.cache, self.state.dcache, np.int32(0),
+                                              a, b, n)
+            self.state = self.state.replace(cache=cache, dcache=dcache)
         scale = self._time_scale_dev
         drafts: dict[int, DraftOut | None] = {}
         gated: set[int] = set()
@@ -1101,6 +1226,7 @@ class Engine:
             total += len(tokens)
             self.slot_length[s] = new_len[i]
             if finished[i] or cut is not None:
+                self._publish(int(s), self._committed(int(s)), bool(self.slot_context[s]))
                 self.requests[rid].finished_by_stop = self._eos_ends(rid, tokens[-1]) or cut is not None
                 self._forget_stops(rid)
                 self.finished_ids.append(rid)
@@ -1200,6 +1326,7 @@ class Engine:
             "rejected_share": float(1 - acc.sum() / sched.sum()) if sched.sum() > 0 else 0.0,
             "mean_batch_tokens": float(np.mean([r.batch_tokens for r in self.rounds])),
             "drafted_share": float(np.mean([r.drafted for r in self.rounds])),
+            "prefix_hit_rate": self.prefix_cache_stats()["hit_rate"],
         }
 
 

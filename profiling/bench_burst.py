@@ -89,10 +89,12 @@ def main(argv=None):
     slots = args.streams + args.burst
     rows = []
     for budget in (args.budget, None):
-        # the round-time correction off: the timed run then takes the warm-up run's decisions (and programs)
+        # the round-time correction off: the timed run then takes the warm-up run's decisions (and programs); no
+        # prefix cache, which would serve the repeated burst from the warm-up's pages
         engine = build_engine(target, args.policy, draft=args.draft, num_slots=slots,
                               max_prompt_tokens=args.prompt_tokens, max_new_tokens=args.answer,
-                              max_num_batched_tokens=budget, calibrate_times=False)
+                              max_num_batched_tokens=budget, calibrate_times=False,
+                              enable_prefix_caching=False)  # the timed run repeats the warm-up's prompts
         run_scenario(engine, streams, burst, answer=args.answer, warm_steps=args.warm_steps)  # compiles
         result = run_scenario(engine, streams, burst, answer=args.answer, warm_steps=args.warm_steps)
         rows.append({"policy": args.policy, "max_num_batched_tokens": budget or "none", **result})

@@ -178,6 +178,9 @@ def main(argv=None):
     p.add_argument("--sps", help="SPS table JSON (default: the shipped CPU table)")
     p.add_argument("--prompts", help="folder of JSONL prompts (default: ../shared/data/prompts/dev or shipped)")
     p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="the engines' prefix cache (off by default: the closed loop cycles through the same prompts, "
+                        "which a cache would serve instead of prefilling; profiling.bench_prefix measures it)")
     p.add_argument("--sequential", action="store_true",
                    help="measure each policy's windows back to back (default: policies interleaved window by window)")
     p.add_argument("--control", action="store_true",
@@ -250,7 +253,8 @@ def main(argv=None):
     def engine_for(policy_text, n, temp):
         policy = engine_policy(policy_text)
         engine = build_engine(model, str(policy), draft=loaded, sps=table, num_slots=n, capacity=capacity,
-                              temperature=temp, seed=args.seed, mesh=mesh)
+                              temperature=temp, seed=args.seed, mesh=mesh,
+                              enable_prefix_caching=args.enable_prefix_caching)
         engine.record_confidences = policy.drafts
         return engine
 

@@ -424,3 +424,17 @@ def test_cors_preflight_passes_the_key_check_and_names_allowed_origins(served):
     client = TestClient(create_app(served.worker, served.tok, MODEL, api_key=KEY))
     r = client.options("/v1/chat/completions", headers=pre)
     assert r.status_code != 401 and "access-control-allow-origin" not in r.headers
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(served):
+    """The second of two equal prompts takes its full pages from the prefix cache (the counters on /metrics say
+    so) and answers exactly as the first."""
+    prompt = "Tell me about the sea. " * 12  # several full pages of 16 tokens
+    hits, queries = metric(served, "dspark_prefix_cache_hits_total"), metric(served, "dspark_prefix_cache_queries_total")
+    a, b = (served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+            for _ in range(2))
+    assert a.choices[0].text == b.choices[0].text
+    n = (metric(served, "dspark_prefix_cache_queries_total") - queries) / 2  # the prompt's tokens, twice
+    assert n >= 100
+    assert metric(served, "dspark_prefix_cache_hits_total") - hits == (n - 1) // 16 * 16
+    assert 0 < metric(served, "dspark_prefix_cache_hit_rate") <= 1

@@ -92,6 +92,13 @@ class Metrics:
     compiled_seconds: float = 0.0  # their wall time
     running: int = 0
     waiting: int = 0
+    # the prefix cache (`Engine.prefix_cache_stats`): prompt tokens admitted and of those taken from the cache,
+    # pages held by requests and kept for later ones, pages evicted
+    prefix_prompt_tokens: int = 0
+    prefix_cached_tokens: int = 0
+    kv_pages_in_use: int = 0
+    prefix_cached_pages: int = 0
+    prefix_evictions: int = 0
 
 
 class EngineWorker:
@@ -300,6 +307,10 @@ class EngineWorker:
                     m.compiled_rounds += 1
                     m.compiled_seconds += stats.seconds
             m.running = int((eng.slot_request >= 0).sum())
+            prefix = eng.prefix_cache_stats()
+            m.prefix_prompt_tokens, m.prefix_cached_tokens = prefix["prompt_tokens"], prefix["cached_tokens"]
+            m.kv_pages_in_use, m.prefix_cached_pages = prefix["pages_in_use"], prefix["cached_pages"]
+            m.prefix_evictions = prefix["evictions"]
             for rid in finished:
                 req = self._by_id.get(rid)
                 c = eng.requests.get(rid)
@@ -350,6 +361,18 @@ def prometheus_text(m: Metrics, model: str, extra: dict[str, Any] | None = None)
            "time; --warm-up compiles them before serving).", [("", "", m.compiled_rounds)])
     metric("dspark_compiled_seconds_total", "counter", "Wall time of the rounds that compiled.",
            [("", "", f"{m.compiled_seconds:.6f}")])
+    metric("dspark_prefix_cache_queries_total", "counter", "Prompt tokens admitted to the engine (looked up in the "
+           "prefix cache).", [("", "", m.prefix_prompt_tokens)])
+    metric("dspark_prefix_cache_hits_total", "counter", "Prompt tokens taken from the prefix cache instead of "
+           "prefilled (divide by dspark_prefix_cache_queries_total for the hit rate).", [("", "", m.prefix_cached_tokens)])
+    metric("dspark_prefix_cache_hit_rate", "gauge", "Prompt tokens taken from the prefix cache / prompt tokens "
+           "admitted, since start.",
+           [("", "", f"{m.prefix_cached_tokens / m.prefix_prompt_tokens if m.prefix_prompt_tokens else 0.0:.6f}")])
+    metric("dspark_kv_pages_in_use", "gauge", "KV pages held by requests.", [("", "", m.kv_pages_in_use)])
+    metric("dspark_prefix_cache_pages", "gauge", "Pages kept in the prefix cache for later requests.",
+           [("", "", m.prefix_cached_pages)])
+    metric("dspark_prefix_cache_evictions_total", "counter", "Prefix cache pages evicted for space.",
+           [("", "", m.prefix_evictions)])
     for name, value in (extra or {}).items():
         metric(name, "gauge", name.replace("_", " "), [("", "", value)])
     return "\n".join(lines) + "\n"
