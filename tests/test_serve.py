@@ -435,6 +435,6 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(served):
             for _ in range(2))
     assert a.choices[0].text == b.choices[0].text
     n = (metric(served, "dspark_prefix_cache_queries_total") - queries) / 2  # the prompt's tokens, twice
-    assert n >= 100
+    assert n >= 48
     assert metric(served, "dspark_prefix_cache_hits_total") - hits == (n - 1) // 16 * 16
     assert 0 < metric(served, "dspark_prefix_cache_hit_rate") <= 1
