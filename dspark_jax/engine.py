@@ -66,7 +66,7 @@ from flax import nnx
 
 from dspark_jax import calibration, gate, scheduler, verify
 from dspark_jax.sampling import categorical, effective_temperature, safe_log
-from dspark_jax.sps import SPSTable, default_sps_table, plain_sps_from_cost, sps_from_cost
+from dspark_jax.sps import DEFAULT_WINDOW_RULE, SPSTable, default_sps_table, plain_sps_from_cost, sps_from_cost
 from dspark_jax.timing import compile_count
 from dspark_jax.cache import prefix
 from dspark_jax.cache.pages import PagePool, pages_for
@@ -212,7 +212,7 @@ class EngineConfig:
     fill_buckets: bool = True
     # Attention windows over the caches: "step" = multiples of 128 (reads little beyond the context held),
     # "pow2" = powers of two (fewer shapes to compile). SPS cost models record the rule they were profiled with.
-    window_rule: str = "step"
+    window_rule: str = DEFAULT_WINDOW_RULE
     # Where the KV caches live. "pages": a page pool per layer (target and drafter, one block table) that requests
     # take pages from as their tokens are written and give back when they end, read by the ragged paged
     # attention kernels (`dspark_jax.kernels`); "slots": one dense run of ``capacity`` positions per slot, read in

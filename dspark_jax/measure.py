@@ -54,7 +54,7 @@ from dspark_jax.models.llama import (BUCKETS, CONTEXT_STEP, LlamaConfig, LlamaWe
                                      grid_bucket, init_cache)
 from dspark_jax.sharding import (drafter_cache_axes, kv_cache_axes, mesh_of, mesh_shape, place,
                                  place_drafter_state, place_target_weights)
-from dspark_jax.sps import (DRAFTER_SHAPE_FIELDS, OVERHEAD_KINDS, CostModel, SPSMetadata, SPSPoint, SPSTable, host_cpu,
+from dspark_jax.sps import (DEFAULT_WINDOW_RULE, DRAFTER_SHAPE_FIELDS, OVERHEAD_KINDS, CostModel, SPSMetadata, SPSPoint, SPSTable, host_cpu,
                             realistic_rows, round_windows)
 from dspark_jax.timing import Timing, interleaved, time_call
 
@@ -577,7 +577,7 @@ def profile_sps_table(weights: LlamaWeights, cfg: LlamaConfig, *, model: str,
                       max_tokens: int = DEFAULT_MAX_TOKENS, batch_tokens: Sequence[int] | None = None,
                       reference_context: int | None = None,
                       rows: Sequence[int] | None = None, diagonal: bool = False, block: int = DEFAULT_BLOCK,
-                      window_rule: str = "pow2",
+                      window_rule: str = DEFAULT_WINDOW_RULE,
                       drafter: Drafter | None = None, with_drafter: bool = True, repeats: int = 5,
                       warmup: int = 1, max_seconds: float | None = None, min_seconds: float = 1.0,
                       device: jax.Device | None = None,

@@ -28,6 +28,7 @@ from dspark_jax.sharding import add_mesh_arguments, describe_mesh, mesh_from_arg
 from dspark_jax.plots import plot_sps
 from dspark_jax.io import check_writable
 from dspark_jax.timing import format_table
+from dspark_jax.sps import DEFAULT_WINDOW_RULE, WINDOW_RULES
 from dspark_jax.cli import nonnegative_float, positive_float, positive_int
 
 DEFAULT_OUT = Path("runs/sps/sps_table.json")
@@ -52,7 +53,7 @@ def parse_args(argv=None):
                    help="the programs of one (context, rows) group, timed in turns, take more turns (up to 4 x "
                         "--repeats) until their timed calls add up to this (default 1; --quick 0)")
     p.add_argument("--block", type=positive_int, default=measure.DEFAULT_BLOCK, help="drafted tokens per request G")
-    p.add_argument("--window-rule", choices=("pow2", "step"), default="step",
+    p.add_argument("--window-rule", choices=WINDOW_RULES, default=DEFAULT_WINDOW_RULE,
                    help="attention windows: multiples of 128 (the engine default) or powers of two from 128")
     p.add_argument("--no-drafter", action="store_true", help="record no draft cost")
     p.add_argument("--draft", help="time this drafter (dspark, dflash or a folder; its block replaces --block); "

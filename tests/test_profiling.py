@@ -936,3 +936,15 @@ def test_timed_jobs_drop_programs_between_groups(monkeypatch):
     events.clear()
     measure.timed_jobs(jobs, run, None)
     assert "clear" not in events
+
+
+def test_the_profiler_defaults_to_the_engine_s_window_rule():
+    """A table profiled with the defaults is one the default engine takes (one source for the rule)."""
+    import inspect
+
+    from dspark_jax.engine import EngineConfig
+    from dspark_jax.measure import profile_sps_table
+    from profiling import profile_sps
+
+    assert inspect.signature(profile_sps_table).parameters["window_rule"].default == EngineConfig().window_rule
+    assert profile_sps.parse_args([]).window_rule == EngineConfig().window_rule

@@ -39,7 +39,7 @@ validation, the packaged table for this host), `host` (what machine this is).
 
 from dspark_jax.sps.cost_model import (INTERPOLATIONS, OVERHEAD_KINDS, CostModel, monotone_minorant, nondecreasing,
                                        realistic_rows)
-from dspark_jax.sps.dense import (WINDOW_RULES, CostArrays, context_window, plain_sps_from_cost, round_windows,
+from dspark_jax.sps.dense import (DEFAULT_WINDOW_RULE, WINDOW_RULES, CostArrays, context_window, plain_sps_from_cost, round_windows,
                                   sps_from_cost)
 from dspark_jax.sps.host import cpu_similarity, host_cpu
 from dspark_jax.sps.tables import (DEFAULT_TABLE, DRAFTER_SHAPE_FIELDS, PACKAGED_TABLES, SPSMetadata, SPSPoint, SPSTable,
@@ -47,5 +47,5 @@ from dspark_jax.sps.tables import (DEFAULT_TABLE, DRAFTER_SHAPE_FIELDS, PACKAGED
 
 __all__ = ["SPSPoint", "SPSMetadata", "SPSTable", "CostModel", "CostArrays", "OVERHEAD_KINDS", "INTERPOLATIONS",
            "DEFAULT_TABLE", "DRAFTER_SHAPE_FIELDS", "PACKAGED_TABLES", "host_cpu", "cpu_similarity",
-           "select_packaged_table", "packaged_tables", "WINDOW_RULES", "context_window", "round_windows", "realistic_rows", "sps_from_cost",
+           "select_packaged_table", "packaged_tables", "WINDOW_RULES", "DEFAULT_WINDOW_RULE", "context_window", "round_windows", "realistic_rows", "sps_from_cost",
            "plain_sps_from_cost", "load_sps_table", "default_sps_table", "nondecreasing", "monotone_minorant"]

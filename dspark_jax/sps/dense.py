@@ -13,11 +13,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["WINDOW_RULES", "context_window", "round_windows", "window_mix", "CostArrays", "sps_from_cost",
+__all__ = ["WINDOW_RULES", "DEFAULT_WINDOW_RULE", "context_window", "round_windows", "window_mix", "CostArrays", "sps_from_cost",
            "plain_sps_from_cost"]
 
 
 WINDOW_RULES = ("pow2", "step")
+# The engine's rule and the profiler's default (one source: a table profiled with the defaults is one the default
+# engine takes): the engine reads caches in parts of `models.llama.CONTEXT_STEP` positions, which "step" prices.
+DEFAULT_WINDOW_RULE = "step"
 
 
 def context_window(n_tokens, step: int = 128, rule: str = "pow2"):
