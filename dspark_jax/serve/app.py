@@ -12,11 +12,13 @@ template; ``n`` must be 1. Structured output (one constraint a request, exact un
 ``response_format`` ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema",
 "strict"}}``, vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar`` in llguidance's Lark
 dialect, ``json_object``) and its older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``;
-a constraint that does not compile is a 400 naming the field (code ``invalid_grammar``) before any work. A field
-that would change the answer in a way this server cannot do is refused by name (400, code
+a constraint that does not compile is a 400 naming the field (code ``invalid_grammar``) before any work. Chat takes
+``tools``, ``tool_choice`` and ``parallel_tool_calls`` and tool turns (`dspark_jax.serve.tools`: ``required`` and
+a named function forced by a grammar for every model, ``auto`` only where the template renders tools in a syntax
+parsed here). A field that would change the answer in a way this server cannot do is refused by name (400, code
 ``unsupported_parameter``) unless it holds its neutral value: ``logprobs``, ``top_logprobs``, ``echo``,
-``tools``, penalties, ``logit_bias``, ``top_k``, ``min_p``, ``min_tokens``, ``best_of``, ``suffix``,
-``functions``, ``continue_final_message``. Fields that
+completions' ``tools``, penalties, ``logit_bias``, ``top_k``, ``min_p``, ``min_tokens``, ``best_of``,
+``suffix``, ``functions``, ``continue_final_message``. Fields that
 do not change the answer (``user``, ``metadata``, ...) are ignored. Errors are OpenAI's shape, ``{"error":
 {"message", "type", "param", "code"}}``: 400 for a bad body (not a JSON object, text that is not valid Unicode,
 a value out of range or not finite, a prompt longer than ``--max-prompt-tokens`` or the context, a conversation
