@@ -41,6 +41,10 @@ __all__ = ["Grammar", "GrammarError", "Matcher", "grammar_tokenizer", "mask_word
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+_NAMES = {"json_schema": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
+          "choice": "choice list", "grammar": "grammar"}
+
+
 class GrammarError(ValueError):
     """A constraint that does not compile: an invalid schema, regular expression, choice list or grammar."""
 
@@ -103,7 +107,7 @@ class Grammar:
 
         problem = llguidance.LLMatcher.validate_grammar(text, tokenizer)
         if problem and not problem.startswith("WARNING"):
-            raise GrammarError(f"invalid {kind.replace('_', ' ')}: {problem.strip()}")
+            raise GrammarError(f"invalid {_NAMES.get(kind, kind)}: {problem.strip()}")
         return cls(kind, source, text, tokenizer)
 
     @classmethod
@@ -177,7 +181,7 @@ class Matcher:
         self.grammar = grammar
         self._m = llguidance.LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
         if self._m.is_error():
-            raise GrammarError(f"invalid {grammar.kind}: {self._m.get_error()}")
+            raise GrammarError(f"invalid {_NAMES.get(grammar.kind, grammar.kind)}: {self._m.get_error()}")
 
     @property
     def finished(self) -> bool:
