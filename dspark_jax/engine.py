@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import calibration, gate, scheduler, verify
+from dspark_jax import calibration, gate, grammar, scheduler, verify
 from dspark_jax.sampling import categorical, effective_temperature, safe_log
 from dspark_jax.sps import DEFAULT_WINDOW_RULE, SPSTable, default_sps_table, plain_sps_from_cost, sps_from_cost
 from dspark_jax.timing import compile_count
@@ -320,6 +320,10 @@ class SamplingParams:
         the last output token, as for the engine's stop ids.
       ignore_eos: the engine's own stop ids (the model's end-of-sequence tokens) do not end this request: it
         runs to its budget (benchmarks that need answers of a set length); ``stop_token_ids`` still end it.
+      grammar: a `grammar.Grammar` the output must follow (structured output): the target's law at every
+        verified position is masked by the grammar's state after the tokens before it, so the output is plain
+        constrained decoding's under every policy; the engine's stop ids end the request only where the grammar
+        is complete, and the request ends once the grammar is finished. None: unconstrained.
 
     >>> SamplingParams(temperature=0.7, top_p=0.9, seed=3).top_p
     0.9
@@ -330,6 +334,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    grammar: grammar.Grammar | None = None
 
     def __post_init__(self):
         if self.temperature is not None:
@@ -344,6 +349,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+        if self.grammar is not None and not isinstance(self.grammar, grammar.Grammar):
+            raise ValueError(f"grammar: expected None or a dspark_jax.grammar.Grammar, got "
+                             f"{type(self.grammar).__name__}")
 
 
 @jax.tree_util.register_dataclass
@@ -423,6 +431,9 @@ class RoundStats:
     # the tokens each request emitted this round.
     draft_tokens: np.ndarray | None = None
     emitted_tokens: list[list[int]] | None = None
+    constrained: int = 0  # requests of the round with a grammar
+    mask_seconds: float = 0.0  # host time spent computing their masks (the first ones while the drafter runs)
+    forbidden_drafts: int = 0  # scheduled drafts the grammar forbade (cut from the target's pass)
 
     def trace_rows(self, index: int) -> list[dict[str, Any]]:
         """One JSON-ready record per request of the round (the engine's ``record_tokens`` and
@@ -686,6 +697,11 @@ class Engine:
         self.prefilling: dict[int, _Prefilling] = {}
         self._prefilled = 0  # prompt tokens prefilled by the current step
         self._extra_stops: dict[int, frozenset[int]] = {}  # request id -> its own stop token ids
+        # request id -> its grammar's state after its output so far (`grammar.Matcher`; constrained requests only)
+        self._matchers: dict[int, grammar.Matcher] = {}
+        self._mask_words = grammar.mask_words(target.cfg.vocab_size)
+        self._no_masks: dict[tuple[int, ...], jax.Array] = {}  # shape -> a device mask no program reads
+        self._first_mask_seconds = 0.0  # host time on first-token masks in the current step
         self._ignore_eos: set[int] = set()  # active or queued requests the engine's stop ids do not end
         self.admissions = {"context": 0, "no_context": 0}  # requests admitted with and without it
         self.drafter_offs: list[tuple[int, int]] = []  # (round index, row bucket) where the drafter was switched off
@@ -827,6 +843,11 @@ class Engine:
             self._extra_stops[rid] = frozenset(sampling.stop_token_ids)
         if sampling.ignore_eos:
             self._ignore_eos.add(rid)
+        if sampling.grammar is not None:
+            if sampling.grammar.tokenizer.vocab_size > self.target.cfg.vocab_size:
+                raise ValueError(f"grammar: made for a vocabulary of {sampling.grammar.tokenizer.vocab_size} tokens, "
+                                 f"but the model has {self.target.cfg.vocab_size}")
+            self._matchers[rid] = sampling.grammar.matcher()
         self.pending.append((rid, prompt_ids, int(max_new_tokens), sampling))
         return rid
 
@@ -868,6 +889,12 @@ class Engine:
     def _forget_stops(self, rid: int) -> None:
         self._extra_stops.pop(rid, None)
         self._ignore_eos.discard(rid)
+        self._matchers.pop(rid, None)
+
+    def _grammar_done(self, rid: int) -> bool:
+        """Whether request ``rid``'s grammar is finished (no token may follow: the request ends)."""
+        m = self._matchers.get(rid)
+        return m is not None and m.finished
 
     def _eos_ends(self, rid: int, token) -> bool:
         """Whether ``token`` is one of the engine's stop ids and ends request ``rid`` (not under ignore_eos)."""
@@ -1017,7 +1044,7 @@ class Engine:
             self.slot_request[slot] = -1
             self.pages.release(slot)
             self.requests[rid].finished_by_stop = self._eos_ends(rid, first) or (
-                self._stop_cut(rid, [first]) is not None)
+                self._stop_cut(rid, [first]) is not None) or self._grammar_done(rid)
             self._forget_stops(rid)
             self.finished_ids.append(rid)
         else:
@@ -1047,9 +1074,20 @@ class Engine:
         with it)."""
         rid = job.rid
         temp, top_p, seed, key_id = self._row_sampling(rid, job.sampling)
+        matcher = self._matchers.get(rid)
+        if matcher is not None:  # the grammar's first mask (the prompt's last chunk may still run meanwhile)
+            t0 = time.perf_counter()
+            words = np.empty(self._mask_words, np.int32)
+            matcher.fill(words)
+            mask, constrained = _put(words.view(np.uint32)), self._flag(True)
+            self._first_mask_seconds += time.perf_counter() - t0
+        else:
+            mask, constrained = self._no_mask((self._mask_words,)), self._flag(False)
         first = int(_sample_first(logits, np.int32(key_id), np.int32(len(job.prompt)), np.float32(temp),
-                                  np.float32(top_p), np.int32(seed)))
+                                  np.float32(top_p), np.int32(seed), mask, constrained))
         done = job.max_new <= 1 or self._eos_ends(rid, first) or self._stop_cut(rid, [first]) is not None
+        if matcher is not None:
+            done = matcher.advance([first]) is not None or done
         self.state = _admit_slot(self.state, np.int32(slot), np.int32(key_id), np.int32(first),
                                  np.int32(job.max_new), np.bool_(not done), np.int32(seed), np.float32(temp),
                                  np.float32(top_p), np.bool_(rid not in self._ignore_eos))
@@ -1140,8 +1178,11 @@ class Engine:
                              if self.drafter is not None else None)
             d = drafts[R] if per_slot > 1 else None
             conf, drafted = self._round_conf(d, R)
+            P = self.G + 1 if per_slot > 1 else 2
             self.state, _ = _verify_and_commit(self._round_spec(R, T, per_slot), self._inputs, self.state, d, conf,
-                                               drafted, scale, drafting=self._flag(False))
+                                               drafted, scale, drafting=self._flag(False),
+                                               masks=self._no_mask((R, P, self._mask_words)),
+                                               constrained=self._flag(False))
             if self.cost is not None and R not in gated:
                 gated.add(R)
                 _after_round(self._round_spec(R), self._inputs, scale, self.state, np.int32(R), np.int32(0),
@@ -1161,6 +1202,7 @@ class Engine:
         was_active = self.slot_request >= 0
         was_active[list(self.prefilling)] = False
         self._prefilled = 0
+        self._first_mask_seconds = 0.0
         total = self._admit()
         active = self.slot_request >= 0
         active[list(self.prefilling)] = False  # still prefilling: not decoding yet
@@ -1183,19 +1225,52 @@ class Engine:
         scale = self._time_scale_dev
         # The last round decided this round's gate for the same requests; a new request reopens the question.
         known_closed = (self._gate_closed and not (active & ~was_active).any()) or not can_draft
+        rows = _rows_host(active)[:n]
+        # constrained rows: their grammars' states, in row order (None: unconstrained)
+        matchers = [self._matchers.get(int(self.slot_request[s])) for s in rows]
+        constrained = any(m is not None for m in matchers)
+        mask_seconds, forbidden, masks = 0.0, 0, None
         if drafting and not known_closed:
             d = _draft_and_schedule(self._round_spec(R), self._inputs, self.state, scale)
-            # what the host needs: the token bucket
-            B, lengths_all = _to_host((d.batch_tokens, d.lengths))
+            if constrained:  # the masks after the output so far, while the drafter runs
+                t_mask = time.perf_counter()
+                masks = np.empty((R, G + 1, self._mask_words), np.int32)
+                grammar.fill_first(matchers, masks)
+                mask_seconds += time.perf_counter() - t_mask
+                # what the host needs: the token bucket, and the drafts the masks follow
+                B, lengths_all, drafts_host = _to_host((d.batch_tokens, d.lengths, d.tokens))
+                t_mask = time.perf_counter()
+                ok = grammar.fill_drafts(matchers, drafts_host, lengths_all, masks)
+                mask_seconds += time.perf_counter() - t_mask
+                # the target runs on the allowed drafts only; a forbidden one is still rejected by the acceptance
+                # rule (a sampled row then draws the residual), so a round that cut every draft but kept such a
+                # rejection verifies with the drafts' program at its smallest batch
+                target_len, accept_len = grammar.allowed_prefix(lengths_all, ok)
+                forbidden = int(np.sum(lengths_all[:n] - target_len[:n]))
+                B = n + int(np.sum(target_len[:n]))
+                if B == n and np.any(accept_len[:n] > 0):
+                    B = n + 1
+            else:  # what the host needs: the token bucket
+                B, lengths_all = _to_host((d.batch_tokens, d.lengths))
             B = int(B)
         else:
             d, B, lengths_all = None, n, np.zeros(R, np.int64)
         T = bucket_for(B)
         per_slot = _grid_width(R, T, G, self._min_rows) if B > n else 1
+        P = G + 1 if B > n else 2  # positions a row's masks cover: the drafts' and the anchor's, or the anchor's
+        if constrained and masks is None:
+            t_mask = time.perf_counter()
+            masks = np.empty((R, P, self._mask_words), np.int32)
+            grammar.fill_first(matchers, masks)
+            mask_seconds += time.perf_counter() - t_mask
+        if constrained:
+            mask_arr, mask_flag = _put(np.ascontiguousarray(masks[:, :P]).view(np.uint32)), self._flag(True)
+        else:
+            mask_arr, mask_flag = self._no_mask((R, P, self._mask_words)), self._flag(False)
         conf, drafted_arr = self._round_conf(d, R)
         self.state, out = _verify_and_commit(self._round_spec(R, T, per_slot), self._inputs, self.state,
                                              d if B > n else None, conf, drafted_arr, scale,
-                                             drafting=self._flag(drafting))
+                                             drafting=self._flag(drafting), masks=mask_arr, constrained=mask_flag)
         after = (np.float32(np.nan), np.True_, np.float32(np.nan))
         if self.cost is not None and can_draft:  # the next round's gate, decided on the device
             after = _after_round(self._round_spec(R), self._inputs, scale, self.state, np.int32(n),
@@ -1214,7 +1289,6 @@ class Engine:
         if compile_count() == compiles:
             self._observe_round(drafted, time.perf_counter() - t_round, float(predicted))
         lengths = lengths_all[:n]
-        rows = _rows_host(active)[:n]
         row_requests = np.asarray([self.slot_request[s] for s in rows], np.int64)
         for i, s in enumerate(rows):
             rid = int(self.slot_request[s])
@@ -1222,6 +1296,12 @@ class Engine:
             cut = self._stop_cut(rid, tokens)  # the request's own stop ids end it here
             if cut is not None:
                 tokens = tokens[:cut]
+            if matchers[i] is not None:  # the grammar takes the tokens; once it is finished, the request ends
+                t_mask = time.perf_counter()
+                done = matchers[i].advance(tokens)
+                mask_seconds += time.perf_counter() - t_mask
+                if done is not None:
+                    tokens, cut = tokens[:done], done
             self._emit(rid, tokens)
             total += len(tokens)
             self.slot_length[s] = new_len[i]
@@ -1243,7 +1323,9 @@ class Engine:
                            emitted=total, batch_tokens=B, padded_tokens=T, seconds=seconds,
                            compiled=compile_count() != compiles, confidences=conf, confidence_logits=conf_logits,
                            finished=len(self.finished_ids) - finished_before, prefilled=self._prefilled,
-                           drafted=drafted, context=longest, requests=row_requests)
+                           drafted=drafted, context=longest, requests=row_requests,
+                           constrained=sum(m is not None for m in matchers),
+                           mask_seconds=mask_seconds + self._first_mask_seconds, forbidden_drafts=forbidden)
         if self.record_tokens:
             stats.draft_tokens = np.asarray(d.tokens)[:n] if d is not None else None
             stats.emitted_tokens = [emitted[i, : counts[i]].tolist() for i in range(n)]
@@ -1260,6 +1342,13 @@ class Engine:
         if R not in self._no_conf:  # host arrays put on the device: nothing to compile
             self._no_conf[R] = _put((np.zeros((R, self.G), np.float32), np.False_))
         return self._no_conf[R]
+
+    def _no_mask(self, shape: tuple[int, ...]) -> jax.Array:
+        """A uint32 mask of ``shape`` on the device for a program whose ``constrained`` flag is False (never read:
+        made once per shape, so an unconstrained round computes and sends no mask)."""
+        if shape not in self._no_masks:  # host arrays put on the device: nothing to compile
+            self._no_masks[shape] = _put(np.zeros(shape, np.uint32))
+        return self._no_masks[shape]
 
     def _flag(self, value: bool) -> jax.Array:
         """A bool [] on the device, made once (a host bool is put on the device at every call)."""
@@ -1438,9 +1527,12 @@ def _write_chunk_context(spec: RoundSpec, inputs: RoundInputs, state: EngineStat
 
 
 @jax.jit
-def _sample_first(logits, request, position, temperature, top_p, seed):
+def _sample_first(logits, request, position, temperature, top_p, seed, mask, constrained):
     """The first token after prefill: argmax at temperature 0, else a draw from ``top_p(softmax(logits / T))``
-    with the request's key (``softmax(logits / T)`` itself at top-p 1)."""
+    with the request's key (``softmax(logits / T)`` itself at top-p 1); with a grammar (``constrained``), the
+    logits masked by its packed mask (uint32 [W]) first."""
+    logits = jax.lax.cond(constrained, lambda lg: grammar.apply_mask(lg, mask), lambda lg: lg, logits)
+
     def draw():
         key = _key(seed, 0, request[None], position[None])[0]
         scaled = logits.astype(jnp.float32) / temperature  # [V]
@@ -1595,7 +1687,7 @@ def _draft_and_schedule(spec: RoundSpec, inputs: RoundInputs, state: EngineState
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def _verify_and_commit(spec: RoundSpec, inputs: RoundInputs, state: EngineState, d: DraftOut | None, conf,
-                       drafted, time_scale, *, drafting) -> tuple[EngineState, RoundOut]:
+                       drafted, time_scale, *, drafting, masks, constrained) -> tuple[EngineState, RoundOut]:
     """Pack the scheduled tokens, verify them with one target pass, accept, commit, emit.
 
     With a drafter (``inputs.dstate``), ``conf`` [R, G] and ``drafted`` [] are the round's calibrated
@@ -1608,6 +1700,13 @@ def _verify_and_commit(spec: RoundSpec, inputs: RoundInputs, state: EngineState,
     ``d = None`` for a round that scheduled no drafts (a plain round then costs what plain decoding costs).
     Each row accepts by its own rule: argmax at temperature 0, `verify.speculative_accept` against
     ``top_p(softmax(logits / T))`` otherwise (computed only when some row samples).
+
+    Grammars (``constrained``, bool []: some row has one): ``masks`` uint32 [R, P, W] holds each row's packed
+    token mask at each of its positions (P = G + 1 with drafts, 2 without; all ones for unconstrained rows; not
+    read when ``constrained`` is False). The target's logits at every verified position are masked before the
+    argmax and the sampling law, so acceptance, residual and bonus all follow the masked law. A row's target pass
+    covers only its drafts up to the first one its grammar forbids (`grammar.device_leading_allowed`, the host's
+    count too, which chose T); that draft still enters the acceptance rule, which rejects it with certainty.
     """
     R, T, G, per_slot = spec.rows, spec.tokens, spec.block, spec.per_slot
     rows, row_valid = _device_rows(state.active, R)
@@ -1619,10 +1718,15 @@ def _verify_and_commit(spec: RoundSpec, inputs: RoundInputs, state: EngineState,
     Gv = 1 if plain else G
     if not plain:
         drafts, lengths = d.tokens, d.lengths
+        # the target's drafts (up to the first forbidden one) and the acceptance rule's (that one too)
+        ok = jax.lax.cond(constrained, lambda: grammar.device_leading_allowed(masks, drafts, lengths),
+                          lambda: lengths)
+        target_len, accept_len = jnp.minimum(lengths, ok), jnp.minimum(lengths, ok + 1)
     else:
         drafts, lengths = jnp.zeros((R, Gv), jnp.int32), jnp.zeros((R,), jnp.int32)
+        target_len = accept_len = lengths
     # ---- pack: row r contributes [anchor, x1..x_l] at positions ctx_len[r] + j
-    n_tok = jnp.where(row_valid, 1 + lengths, 0)  # [R]
+    n_tok = jnp.where(row_valid, 1 + target_len, 0)  # [R]
     ends = jnp.cumsum(n_tok)
     starts = ends - n_tok
     t = jnp.arange(T, dtype=jnp.int32)
@@ -1637,10 +1741,13 @@ def _verify_and_commit(spec: RoundSpec, inputs: RoundInputs, state: EngineState,
     row_slots = None if R == state.cache.num_slots else rows
     logits, extras, cache = forward_packed(inputs.weights, state.cache, tokens, slots, positions, valid, spec.cfg,
                                            per_slot, row_slots)
+    # grammars: each packed token's logits masked by its row's mask at its position ([T, W] gathered, then bits)
+    logits = jax.lax.cond(constrained, lambda lg: grammar.apply_mask(lg, masks[tok_row, jnp.clip(col, 0, Gv)]),
+                          lambda lg: lg, logits)
     # ---- unpack to rows: logits of [anchor, x1..x_Gv] -> [R, Gv + 1, V]
     idx = jnp.clip(starts[:, None] + jnp.arange(Gv + 1)[None, :], 0, T - 1)
     # argmax over the T packed tokens, then gathered into rows: not over R x (Gv + 1) padded logit rows
-    n_acc, nxt = verify.greedy_accept_tokens(drafts, first_argmax(logits)[idx], lengths)
+    n_acc, nxt = verify.greedy_accept_tokens(drafts, first_argmax(logits)[idx], accept_len)
     temp = state.temperature[rows]  # [R]
     sampled = (temp > 0) & row_valid
     if not plain:
@@ -1661,7 +1768,7 @@ def _verify_and_commit(spec: RoundSpec, inputs: RoundInputs, state: EngineState,
 
     def sampled_accept():
         keys = _key(state.seed[rows], 2, state.request[rows], ctx_len)
-        xs = (idx, jnp.where(sampled, temp, 1.0), state.top_p[rows], keys, drafts, probs, lengths)
+        xs = (idx, jnp.where(sampled, temp, 1.0), state.top_p[rows], keys, drafts, probs, accept_len)
         s_acc, s_nxt = jax.lax.map(
             lambda x: jax.lax.cond(x[0], sampled_row, lambda _: (jnp.int32(0), jnp.int32(0)), x[1:]), (sampled, *xs))
         return jnp.where(sampled, s_acc, n_acc), jnp.where(sampled, s_nxt, nxt)

@@ -219,14 +219,29 @@ def test_fields_other_clients_send(served, monkeypatch):
     assert answer({**hot, "seed": big}, "completions") == answer({**hot, "seed": big % 2**31}, "completions")
     assert answer({**hot, "seed": -1}, "completions") == answer({**hot, "seed": 2**31 - 1}, "completions")
     for body, param in (({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
-                        ({"echo": True}, "echo"), ({"response_format": {"type": "json_object"}}, "response_format"),
-                        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
+                        ({"echo": True}, "echo"),
+                        # SmolLM2's template renders no tools: 'auto' (the default with tools) is refused
+                        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+                        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+                            "type": "function", "function": {"name": "g"}}}, "tool_choice"),
+                        ({"tools": [{"type": "function", "function": {"name": "f f"}}], "tool_choice": "required"},
+                         "tools.0.function.name"),
+                        # output constraints that do not compile: refused before any work, naming the field
+                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                            "type": "nosuch"}}}}, "response_format.json_schema.schema"),
+                        ({"response_format": {"type": "xml"}}, "response_format.type"),
+                        ({"guided_regex": "[a-"}, "guided_regex"), ({"structured_outputs": {"regex": "("}},
+                                                                    "structured_outputs.regex"),
+                        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+                        ({"structured_outputs": {"grammar": "start: nosuch"}}, "structured_outputs.grammar"),
+                        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+                        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex")):
         r = post("chat/completions", {"messages": msgs, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     # fields that would change the answer are refused by name unless neutral, never silently dropped
     for body in ({"presence_penalty": 0.5}, {"frequency_penalty": -1}, {"repetition_penalty": 1.2},
                  {"logit_bias": {"10": 5}}, {"top_k": 5}, {"min_p": 0.1}, {"min_tokens": 3}, {"best_of": 2},
-                 {"guided_choice": ["a", "b"]}, {"continue_final_message": True}):
+                 {"continue_final_message": True}):
         r = post("chat/completions", {"messages": msgs, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(body)), r.text
     for path, body in (("completions", {"prompt": "Hi", "logprobs": 0}), ("completions", {"prompt": "Hi",
@@ -235,8 +250,10 @@ def test_fields_other_clients_send(served, monkeypatch):
                        ("chat/completions", {"messages": msgs, "chat_template_kwargs": {"tools": [{"a": 1}]}})):
         r, param = post(path, body), next(iter(body.keys() - {"prompt", "messages"}))
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    r = post("chat/completions", {"messages": [*msgs, {"role": "tool", "content": "42"}]})
+    r = post("chat/completions", {"messages": [*msgs, {"role": "robot", "content": "42"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.role"
+    answer({"messages": [*msgs, {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "42"}]})
     r = post("chat/completions", {"messages": [{"role": "user", "content": None}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
 

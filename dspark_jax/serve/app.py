@@ -8,10 +8,17 @@ Per request: ``model`` (optional, as vLLM's), ``temperature`` (0..2; omitted: th
 ``max_completion_tokens``), ``stop`` (strings: the text is cut before the first one, as OpenAI does),
 ``stop_token_ids`` and ``ignore_eos`` (as vLLM's), ``stream`` with ``stream_options.include_usage``; chat also
 ``chat_template_kwargs`` and ``add_generation_prompt`` (as vLLM's) and a ``name`` per message, passed to the
-template; ``n`` must be 1. A field that would change the answer in a way this server cannot do is refused by
-name (400, code ``unsupported_parameter``) unless it holds its neutral value: ``logprobs``, ``top_logprobs``,
-``echo``, ``tools``, a ``response_format`` other than text, penalties, ``logit_bias``, ``top_k``, ``min_p``,
-``min_tokens``, ``best_of``, ``suffix``, ``functions``, guided decoding, ``continue_final_message``. Fields that
+template; ``n`` must be 1. Structured output (one constraint a request, exact under speculation: `dspark_jax.grammar`):
+``response_format`` ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema",
+"strict"}}``, vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar`` in llguidance's Lark
+dialect, ``json_object``) and its older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``;
+a constraint that does not compile is a 400 naming the field (code ``invalid_grammar``) before any work. Chat takes
+``tools``, ``tool_choice`` and ``parallel_tool_calls`` and tool turns (`dspark_jax.serve.tools`: ``required`` and
+a named function forced by a grammar for every model, ``auto`` only where the template renders tools in a syntax
+parsed here). A field that would change the answer in a way this server cannot do is refused by name (400, code
+``unsupported_parameter``) unless it holds its neutral value: ``logprobs``, ``top_logprobs``, ``echo``,
+completions' ``tools``, penalties, ``logit_bias``, ``top_k``, ``min_p``, ``min_tokens``, ``best_of``,
+``suffix``, ``functions``, ``continue_final_message``. Fields that
 do not change the answer (``user``, ``metadata``, ...) are ignored. Errors are OpenAI's shape, ``{"error":
 {"message", "type", "param", "code"}}``: 400 for a bad body (not a JSON object, text that is not valid Unicode,
 a value out of range or not finite, a prompt longer than ``--max-prompt-tokens`` or the context, a conversation
@@ -50,6 +57,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dspark_jax.engine import MAX_SEED, SamplingParams
+from dspark_jax.grammar import grammar_tokenizer
+from dspark_jax.serve.tools import ToolError, calls_as_text, parse_calls, plan_tools
 from dspark_jax.serve.worker import EngineWorker, Event, GenerationRequest, QueueFull, ShuttingDown, prometheus_text
 from dspark_jax.tokenizer import TooManyTokens
 
@@ -93,10 +102,8 @@ class _Sampling(BaseModel):
             return "top_logprobs"
         if self.echo:
             return "echo"
-        if self.tools:
+        if self.tools and not self._chat:
             return "tools"
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            return "response_format"
         extra = self.model_extra or {}  # fields this model does not declare, kept to be checked here
         for name, neutral in _NEUTRAL.items():
             value = extra.get(name)
@@ -113,9 +120,75 @@ class _Sampling(BaseModel):
 _NEUTRAL: dict[str, tuple] = {
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "logit_bias": ({},), "top_k": (0, -1), "min_p": (0, 0.0), "min_tokens": (0,), "best_of": (1,),
-    "suffix": ("",), "functions": ([],), "function_call": ("none",), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "continue_final_message": (False,),
+    "suffix": ("",), "functions": ([],), "function_call": ("none",), "continue_final_message": (False,),
+    "guided_whitespace_pattern": (), "guided_decoding_backend": (),
 }
+
+# vLLM's structured-output fields: ``structured_outputs`` keys and the older top-level ``guided_*`` fields, each to
+# the `grammar.Grammar` constructor it asks for
+_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark",
+                    "json_object": "json_object"}
+_GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "lark"}
+
+
+def structured_output(body: "_Sampling") -> tuple[str, str, Any] | None:
+    """The constraint a request asks for, as (param, kind, argument) with kind a `grammar.Grammar` constructor, or
+    None:
+    ``response_format`` ``json_object`` / ``json_schema`` (OpenAI's), ``structured_outputs`` (vLLM's: one of
+    ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) or vLLM's older ``guided_json``,
+    ``guided_regex``, ``guided_choice``, ``guided_grammar``. At most one of them.
+
+    Raises:
+      APIError: 400 naming the field for a malformed or second constraint.
+    """
+    asked: list[tuple[str, str, Any]] = []  # (param, kind, argument)
+    fmt = body.response_format
+    if fmt is not None:
+        kind = fmt.get("type", "text")
+        if kind == "json_object":
+            asked.append(("response_format", "json_object", None))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise APIError(400, "response_format.json_schema: expected an object with a JSON schema in "
+                                    "'schema' (and a 'name')", param="response_format.json_schema")
+            asked.append(("response_format.json_schema.schema", "json_schema", spec.get("schema", {})))
+        elif kind != "text":
+            raise APIError(400, f"response_format.type: expected 'text', 'json_object' or 'json_schema', got "
+                                f"{kind!r}", param="response_format.type")
+    extra = body.model_extra or {}
+    so = extra.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise APIError(400, "structured_outputs: expected an object", param="structured_outputs")
+        for key, value in so.items():
+            if key not in _STRUCTURED_KEYS:
+                raise APIError(400, f"structured_outputs.{key}: not supported by this server (one of "
+                                    f"{', '.join(_STRUCTURED_KEYS)})", param=f"structured_outputs.{key}",
+                               code="unsupported_parameter")
+            if value is not None and value is not False:
+                asked.append((f"structured_outputs.{key}", _STRUCTURED_KEYS[key],
+                              None if key == "json_object" else value))
+    for field, kind in _GUIDED_FIELDS.items():
+        if extra.get(field) is not None:
+            asked.append((field, kind, extra[field]))
+    if len(asked) > 1:
+        raise APIError(400, f"{asked[1][0]}: one output constraint per request ({asked[0][0]} is set too)",
+                       param=asked[1][0])
+    return asked[0] if asked else None
+
+
+def build_constraint(param: str, kind: str, arg: Any, grammar_tokenizer):
+    """A `grammar.Grammar` for ``structured_output``'s answer; 400 naming ``param`` when it does not compile."""
+    from dspark_jax.grammar import Grammar, GrammarError  # noqa: PLC0415
+
+    try:
+        if kind == "json_object":
+            return Grammar.json_object(grammar_tokenizer)
+        return getattr(Grammar, kind)(arg, grammar_tokenizer)
+    except GrammarError as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="invalid_grammar") from None
 
 
 # render_chat_template's own arguments: a chat_template_kwargs key of these names is refused
@@ -136,6 +209,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
 
 class ChatCompletionRequest(_Sampling):
@@ -145,6 +220,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's {"enable_thinking": false}
     add_generation_prompt: bool = True
+    tool_choice: str | dict[str, Any] | None = None  # `serve.tools`
+    parallel_tool_calls: bool | None = None
     _chat: ClassVar[bool] = True
 
 
@@ -409,6 +486,15 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
         return PlainTextResponse(prometheus_text(worker.metrics(), model_name, extra),
                                  media_type="text/plain; version=0.0.4")
 
+    stops = [int(t) for t in engine.stop_ids if t >= 0]
+
+    def constraint(body: _Sampling):
+        """The request's output constraint (`grammar.Grammar`) or None; 400 naming the field when it is malformed."""
+        asked = structured_output(body)
+        if asked is None:
+            return None
+        return build_constraint(*asked, grammar_tokenizer(tokenizer, engine.target.cfg.vocab_size, stops))
+
     def check_request(body: _Sampling):
         check_model(body.model)
         field = body.unsupported()
@@ -435,7 +521,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
             raise prompt_too_long(field, count) from None
 
     def make_request(body: _Sampling, prompt_ids: list[int], max_tokens: int | None, prompt_field: str = "prompt",
-                     limit_field: str = "max_tokens") -> tuple[GenerationRequest, list[str]]:
+                     limit_field: str = "max_tokens", constrained=None) -> tuple[GenerationRequest, list[str]]:
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param=prompt_field)
         n = len(prompt_ids)
@@ -459,12 +545,15 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         seed = None if body.seed is None else body.seed % (MAX_SEED + 1)
         sampling = SamplingParams(temperature=body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
-                                  seed=seed, stop_token_ids=stop_ids, ignore_eos=bool(body.ignore_eos))
+                                  seed=seed, stop_token_ids=stop_ids, ignore_eos=bool(body.ignore_eos),
+                                  grammar=constrained)
         return GenerationRequest(prompt_ids, int(max_tokens), sampling), stop
 
-    async def run(request: Request, body: _Sampling, prompt_ids: list[int], max_tokens: int | None, chat: bool):
+    async def run(request: Request, body: _Sampling, prompt_ids: list[int], max_tokens: int | None, chat: bool,
+                  constrained=None, tools=None):
         limit_field = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
-        req, stop = make_request(body, prompt_ids, max_tokens, "messages" if chat else "prompt", limit_field)
+        req, stop = make_request(body, prompt_ids, max_tokens, "messages" if chat else "prompt", limit_field,
+                                 constrained)
         try:
             events = worker.submit(req)
         except QueueFull as e:
@@ -522,8 +611,13 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
             if failure:  # the engine failed mid-answer: an error, not a truncated answer
                 raise APIError(failure[0].status, failure[0].message, "server_error")
             content = "".join(parts)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                       "finish_reason": reason} if chat else
+            message = {"role": "assistant", "content": content}
+            if tools is not None:  # the answer's calls (`serve.tools.parse_calls`)
+                content, calls = parse_calls(tools, content)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = "tool_calls" if reason == "stop" else reason
+            choice = ({"index": 0, "message": message, "logprobs": None, "finish_reason": reason} if chat else
                       {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
             return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": started,
                     "model": model_name, "choices": [choice], "usage": usage()}
@@ -531,9 +625,11 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: str | None, reason: str | None, role: bool = False) -> str:
+        def chunk(delta: str | None, reason: str | None, role: bool = False, calls: list | None = None) -> str:
             if chat:
                 d = {} if delta is None else {"content": delta}
+                if calls:
+                    d["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
                 if role:
                     d["role"] = "assistant"
                 choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
@@ -549,9 +645,19 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
             try:
                 if chat:
                     yield chunk("", None, role=True)
+                held = []  # with tools: the text is parsed once the answer is whole
                 async for delta, reason in answer():
-                    if delta:
+                    if delta and tools is not None:
+                        held.append(delta)
+                    elif delta:
                         yield chunk(delta, None)
+                    if tools is not None and reason is not None and not failure:
+                        content, calls = parse_calls(tools, "".join(held))
+                        if calls:
+                            yield chunk(content, None, calls=calls)
+                            reason = "tool_calls" if reason == "stop" else reason
+                        elif content:
+                            yield chunk(content, None)
                     if failure:  # mid-stream: an error event in OpenAI's shape, then the end of the stream
                         err = failure[0]
                         yield _sse({"error": {"message": err.message, "type": "server_error", "param": None,
@@ -577,10 +683,11 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
         except ClientDisconnect:
             raise APIError(400, "the client closed the connection before the body ended", close=True) from None
 
-    def prepare_completion(raw: bytes) -> tuple[CompletionRequest, list[int]]:
-        """The request and its prompt's ids (on the CPU pool)."""
+    def prepare_completion(raw: bytes) -> tuple[CompletionRequest, list[int], Any]:
+        """The request, its prompt's ids and its output constraint (on the CPU pool)."""
         body = parse_body(raw, CompletionRequest)
         check_request(body)
+        constrained = constraint(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -588,18 +695,31 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
                                param="prompt")
             prompt = prompt[0]
         ids = encode(prompt, "prompt", add_special=True) if isinstance(prompt, str) else [int(t) for t in prompt]
-        return body, ids
+        return body, ids, constrained
 
-    def prepare_chat(raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
-        """The request and its templated conversation's ids (on the CPU pool)."""
+    def prepare_chat(raw: bytes) -> tuple[ChatCompletionRequest, list[int], Any, Any]:
+        """The request, its templated conversation's ids, its output constraint and its tool plan (on the CPU
+        pool)."""
         body = parse_body(raw, ChatCompletionRequest)
         check_request(body)
+        constrained = constraint(body)
+        try:
+            plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer.chat_template)
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param, code=e.code) from None
+        if plan is not None and plan.schema is not None:  # the call is forced by a grammar
+            if constrained is not None:
+                raise APIError(400, "tool_choice: a forced tool call and an output constraint cannot be combined",
+                               param="tool_choice")
+            constrained = build_constraint("tools", "json_schema", plan.schema,
+                                           grammar_tokenizer(tokenizer, engine.target.cfg.vocab_size, stops))
+        in_template = plan is not None and plan.in_template
         turns = []
         for i, m in enumerate(body.messages):
             role = "system" if m.role == "developer" else m.role
-            if role not in ("system", "user", "assistant"):
+            if role not in ("system", "user", "assistant", "tool"):
                 raise APIError(400, f"messages.{i}.role: {m.role!r} is not supported (system, developer, user, "
-                                    f"assistant; no tool calling)", param=f"messages.{i}.role")
+                                    f"assistant, tool)", param=f"messages.{i}.role")
             if m.content is None and role != "assistant":
                 raise APIError(400, f"messages.{i}.content: a {m.role} message needs content",
                                param=f"messages.{i}.content")
@@ -613,28 +733,40 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
             turn = {"role": role, "content": content}
             if m.name is not None:
                 turn["name"] = m.name
+            if m.tool_calls and role == "assistant":  # the template's own syntax, or this server's JSON as text
+                if in_template:
+                    turn["tool_calls"] = m.tool_calls
+                else:
+                    turn["content"] = (content + "\n" if content else "") + calls_as_text(m.tool_calls)
+            if m.tool_call_id is not None and role == "tool" and in_template:
+                turn["tool_call_id"] = m.tool_call_id
             turns.append(turn)
+        kwargs = {}
+        if plan is not None:
+            turns, kwargs = plan.messages(turns)
         reserved = sorted(set(body.chat_template_kwargs or ()) & _TEMPLATE_ARGUMENTS)
         if reserved:  # what the request's own fields set (tools are refused above), not template options
             raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} cannot be set here",
                            param="chat_template_kwargs")
         try:
             text = tokenizer.apply_chat_template(turns, body.add_generation_prompt,
-                                                 **(body.chat_template_kwargs or {}))
+                                                 **{**(body.chat_template_kwargs or {}), **kwargs})
         except ValueError as e:  # the template refuses the conversation (ChatTemplateError), or has none
             raise APIError(400, f"messages: {e}", param="messages") from None
-        return body, encode(text, "messages", add_special=False)  # as encode_chat: the template writes any BOS
+        # as encode_chat: the template writes any BOS
+        return body, encode(text, "messages", add_special=False), constrained, plan
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body, ids = await off_loop(prepare_completion, await read_body(request))
-        return await run(request, body, ids, body.max_tokens, chat=False)
+        body, ids, constrained = await off_loop(prepare_completion, await read_body(request))
+        return await run(request, body, ids, body.max_tokens, chat=False, constrained=constrained)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body, ids = await off_loop(prepare_chat, await read_body(request))
+        body, ids, constrained, plan = await off_loop(prepare_chat, await read_body(request))
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await run(request, body, ids, limit, chat=True)
+        return await run(request, body, ids, limit, chat=True, constrained=constrained,
+                         tools=plan if plan is not None and plan.mode != "none" else None)
 
     return app
 
