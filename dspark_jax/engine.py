@@ -38,6 +38,12 @@ Sampling is per request (`SamplingParams`, given to `Engine.submit`): each slot 
 temperature, top-p and seed, so greedy and sampled requests share a round and each is verified exactly
 against its own target law (``top_p(softmax(logits / T))``; argmax at temperature 0).
 
+Logprobs are per request too (``SamplingParams.logprobs`` and ``prompt_logprobs``): the raw log-softmax of the
+target's logits (temperature 1, no top-p, vLLM's default ``raw_logprobs``) at each emitted position, with the
+`sampling.MAX_LOGPROBS` most likely tokens, computed inside the verification and prefill programs from the logits
+they already hold (no second forward), under a ``lax.cond`` on a flag array that is set only for a round with
+such a request, and read by the host only then; the tokens themselves are the same with or without them.
+
 Randomness: every draw uses a key folded from (the request's seed, its key id, position): the key id is the
 request id (the engine's seed for requests without one) or, for a request with its own seed, a fixed value,
 so the same seeded request draws the same random numbers whatever else is in the batch and whenever it
@@ -65,7 +71,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import calibration, gate, grammar, scheduler, verify
-from dspark_jax.sampling import categorical, effective_temperature, safe_log
+from dspark_jax.sampling import MAX_LOGPROBS, categorical, effective_temperature, logprobs_at, safe_log
 from dspark_jax.sps import DEFAULT_WINDOW_RULE, SPSTable, default_sps_table, plain_sps_from_cost, sps_from_cost
 from dspark_jax.timing import compile_count
 from dspark_jax.cache import prefix
@@ -81,13 +87,14 @@ from dspark_jax.models.llama import (
     first_argmax,
     forward_packed,
     grid_bucket,
+    logits_from_hidden,
     PREFILL_CHUNKS,
     prefill,
     prefill_chunks,
 )
 
 __all__ = ["Policy", "parse_policy", "POLICY_NAMES", "EngineConfig", "Engine", "RoundStats", "Completion",
-           "SamplingParams", "engine_state_axes", "policy_lengths"]
+           "SamplingParams", "TokenLogprobs", "engine_state_axes", "policy_lengths"]
 
 POLICY_NAMES = ("none", "fixed:K", "threshold:C", "dspark", "dspark-async")
 
@@ -324,6 +331,12 @@ class SamplingParams:
         verified position is masked by the grammar's state after the tokens before it, so the output is plain
         constrained decoding's under every policy; the engine's stop ids end the request only where the grammar
         is complete, and the request ends once the grammar is finished. None: unconstrained.
+      logprobs: None, or 0..`sampling.MAX_LOGPROBS` (20): report every output token's log-probability and this
+        many most likely alternatives (`Completion.logprobs`). The law reported is the target's raw one,
+        ``log_softmax(logits)`` at temperature 1 without top-p (vLLM's default ``raw_logprobs``), whatever the
+        request samples at; the tokens are the same with or without it.
+      prompt_logprobs: None, or 0..20: the same for the prompt's tokens (`Completion.prompt_logprobs`; the
+        first prompt token has none). Costs the LM head over every prompt position during the prefill.
 
     >>> SamplingParams(temperature=0.7, top_p=0.9, seed=3).top_p
     0.9
@@ -335,6 +348,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     grammar: grammar.Grammar | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if self.temperature is not None:
@@ -352,6 +367,11 @@ class SamplingParams:
         if self.grammar is not None and not isinstance(self.grammar, grammar.Grammar):
             raise ValueError(f"grammar: expected None or a dspark_jax.grammar.Grammar, got "
                              f"{type(self.grammar).__name__}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not (isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_))
+                                      and 0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{name}: expected None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
 
 
 @jax.tree_util.register_dataclass
@@ -406,6 +426,29 @@ class RoundOut(NamedTuple):
     finished: jax.Array  # bool [R]
     accepted: jax.Array  # int32 [R] accepted drafts
     new_lengths: jax.Array  # int32 [R] committed tokens after the round
+    logprobs: "Logprobs"  # of the emitted tokens, per row and column [R, Gv + 1] (zeros unless asked for)
+
+
+class Logprobs(NamedTuple):
+    """Raw log-probabilities of tokens at some positions (`sampling.logprobs_at`), with the top alternatives."""
+
+    chosen: jax.Array  # float32 [...P]
+    top_ids: jax.Array  # int32 [...P, K]
+    top: jax.Array  # float32 [...P, K]
+
+
+class TokenLogprobs(NamedTuple):
+    """One token's raw log-probability under the target (``log_softmax(logits)``, temperature 1, no top-p) and
+    the most likely tokens at its position, ``top``: (token id, log-probability) pairs, most likely first, as many
+    as the request asked for.
+
+    >>> TokenLogprobs(7, -0.1, ((7, -0.1), (3, -2.5))).top[1]
+    (3, -2.5)
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclasses.dataclass
@@ -463,6 +506,10 @@ class Completion:
     output_ids: list[int]
     finished_by_stop: bool
     cancelled: bool = False  # ended by `Engine.cancel` (its output is what it had emitted by then)
+    # With SamplingParams.logprobs: one entry per output token, in step with output_ids (else None).
+    logprobs: list[TokenLogprobs] | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing predicts it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclasses.dataclass
@@ -475,6 +522,7 @@ class _Prefilling:
     sampling: SamplingParams
     context: bool  # it gets the drafter's context
     done: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled chunk by chunk when asked for
 
 
 def _key(seed, stream: int, request, position):
@@ -703,6 +751,7 @@ class Engine:
         self._no_masks: dict[tuple[int, ...], jax.Array] = {}  # shape -> a device mask no program reads
         self._first_mask_seconds = 0.0  # host time on first-token masks in the current step
         self._ignore_eos: set[int] = set()  # active or queued requests the engine's stop ids do not end
+        self._logprobs: dict[int, int] = {}  # active or queued request id -> top alternatives it asked for
         self.admissions = {"context": 0, "no_context": 0}  # requests admitted with and without it
         self.drafter_offs: list[tuple[int, int]] = []  # (round index, row bucket) where the drafter was switched off
         self.requests: dict[int, Completion] = {}
@@ -838,7 +887,10 @@ class Engine:
                              f"{self.G + 1}) but the pool has {self.pages.num_pages}: raise num_pages")
         rid = self.next_id
         self.next_id += 1
-        self.requests[rid] = Completion(rid, prompt_ids, [], False)
+        self.requests[rid] = Completion(rid, prompt_ids, [], False,
+                                        logprobs=None if sampling.logprobs is None else [])
+        if sampling.logprobs is not None:
+            self._logprobs[rid] = int(sampling.logprobs)
         if sampling.stop_token_ids:
             self._extra_stops[rid] = frozenset(sampling.stop_token_ids)
         if sampling.ignore_eos:
@@ -890,6 +942,7 @@ class Engine:
         self._extra_stops.pop(rid, None)
         self._ignore_eos.discard(rid)
         self._matchers.pop(rid, None)
+        self._logprobs.pop(rid, None)
 
     def _grammar_done(self, rid: int) -> bool:
         """Whether request ``rid``'s grammar is finished (no token may follow: the request ends)."""
@@ -910,10 +963,13 @@ class Engine:
                     return i + 1
         return None
 
-    def _emit(self, rid: int, tokens) -> None:
-        out = self.requests[rid].output_ids
+    def _emit(self, rid: int, tokens, logprobs: Sequence[TokenLogprobs] | None = None) -> None:
+        """Append ``tokens`` (and, for a request that asked, their ``logprobs``, one each) to ``rid``'s output."""
+        c = self.requests[rid]
+        if c.logprobs is not None and logprobs is not None:
+            c.logprobs.extend(logprobs[: len(tokens)])
         for t in tokens:
-            out.append(int(t))
+            c.output_ids.append(int(t))
             if self.on_token is not None:
                 self.on_token(rid, int(t))
 
@@ -928,14 +984,17 @@ class Engine:
             s = free[0]
             rid, prompt, max_new, sampling = self.pending[0]
             context = self._admission_context(load)
-            hit = self._prefix_lookup(prompt, context)
+            # a request that reports its prompt's logprobs prefills every position
+            hit = [] if sampling.prompt_logprobs is not None else self._prefix_lookup(prompt, context)
             shared = hit if self.prefix_store is None else ()
             if not self.pages.reserve(s, len(prompt) + max_new + self.G + 1, shared=shared):
                 break  # waits, first in first out, for pages a finishing request gives back
             self.pending.popleft()
             free.pop(0)
             self.slot_request[s] = rid
-            job = self.prefilling[s] = _Prefilling(rid, prompt, max_new, sampling, context)
+            job = self.prefilling[s] = _Prefilling(
+                rid, prompt, max_new, sampling, context,
+                prompt_logprobs=None if sampling.prompt_logprobs is None else [None])
             self._prefix_take(s, job, hit)
         budget = None if self.cfg.max_num_batched_tokens is None else self.cfg.max_num_batched_tokens - decoding
         emitted = 0
@@ -1036,10 +1095,11 @@ class Engine:
         ends there, its budget one token or its first token a stop). Returns 1, the token emitted."""
         rid, prompt = job.rid, job.prompt
         self._publish(slot, prompt, job.context)
-        first, done = self._first_token(slot, job, logits)
+        first, done, logprobs = self._first_token(slot, job, logits)
         if self.drafter is not None:
             self.admissions["context" if job.context else "no_context"] += 1
-        self._emit(rid, [first])
+        self.requests[rid].prompt_logprobs = job.prompt_logprobs
+        self._emit(rid, [first], logprobs)
         if done:
             self.slot_request[slot] = -1
             self.pages.release(slot)
@@ -1069,9 +1129,9 @@ class Engine:
             return temp, float(sampling.top_p), self.cfg.seed, rid
         return temp, float(sampling.top_p), int(sampling.seed), SEEDED_KEY_ID
 
-    def _first_token(self, slot: int, job: "_Prefilling", logits) -> tuple[int, bool]:
+    def _first_token(self, slot: int, job: "_Prefilling", logits) -> tuple[int, bool, list[TokenLogprobs] | None]:
         """Sample the first token and mark ``slot`` decoding on the device (or not: ``done``, the request ends
-        with it)."""
+        with it); with its logprobs when the request asked for them."""
         rid = job.rid
         temp, top_p, seed, key_id = self._row_sampling(rid, job.sampling)
         matcher = self._matchers.get(rid)
@@ -1083,15 +1143,21 @@ class Engine:
             self._first_mask_seconds += time.perf_counter() - t0
         else:
             mask, constrained = self._no_mask((self._mask_words,)), self._flag(False)
-        first = int(_sample_first(logits, np.int32(key_id), np.int32(len(job.prompt)), np.float32(temp),
-                                  np.float32(top_p), np.int32(seed), mask, constrained))
+        want = job.sampling.logprobs is not None
+        first, lp = _sample_first(logits, np.int32(key_id), np.int32(len(job.prompt)), np.float32(temp),
+                                  np.float32(top_p), np.int32(seed), mask, constrained, self._flag(want))
+        logprobs = None
+        if want:
+            first, lp = _to_host((first, lp))
+            logprobs = [_token_logprobs(first, lp.chosen[0], lp.top_ids[0], lp.top[0], job.sampling.logprobs)]
+        first = int(first)
         done = job.max_new <= 1 or self._eos_ends(rid, first) or self._stop_cut(rid, [first]) is not None
         if matcher is not None:
             done = matcher.advance([first]) is not None or done
         self.state = _admit_slot(self.state, np.int32(slot), np.int32(key_id), np.int32(first),
                                  np.int32(job.max_new), np.bool_(not done), np.int32(seed), np.float32(temp),
                                  np.float32(top_p), np.bool_(rid not in self._ignore_eos))
-        return first, done
+        return first, done, logprobs
 
     def _prefill_chunk(self, slot: int, job: "_Prefilling", take: int):
         """Prefill the next ``take`` prompt tokens of ``job`` into ``slot`` (target cache and, with the job's
@@ -1100,15 +1166,25 @@ class Engine:
         self.pages.ensure(slot, job.done + take)
         self._sync_block_tables()
         with_context = self.drafter is not None and job.context
+        want = job.prompt_logprobs is not None
         done = 0
         for size, n in prefill_chunks(len(ids)):
             chunk = np.zeros(size, np.int32)
             chunk[:n] = ids[done : done + n]
-            args = (self._spec, self._inputs, self.state, chunk, np.int32(slot), np.int32(job.done + done), np.int32(n))
+            start = job.done + done
+            # the prompt token after the chunk's last (0 at the prompt's end: the first output token's own)
+            follow = np.int32(job.prompt[start + n] if start + n < len(job.prompt) else 0)
+            args = (self._spec, self._inputs, self.state, chunk, np.int32(slot), np.int32(start), np.int32(n),
+                    follow, self._flag(want))
             if with_context:
-                logits, self.state = _write_chunk_context(*args)
+                logits, lp, self.state = _write_chunk_context(*args)
             else:
-                logits, self.state = _prefill_program(*args, write_context=self._flag(False))
+                logits, lp, self.state = _prefill_program(*args, write_context=self._flag(False))
+            if want:  # entry p reports prompt token start + p + 1
+                chosen, top_ids, top = _to_host(lp)
+                n_report = min(n, len(job.prompt) - start - 1)
+                job.prompt_logprobs += [_token_logprobs(job.prompt[start + p + 1], chosen[p], top_ids[p], top[p],
+                                                        job.sampling.prompt_logprobs) for p in range(n_report)]
             done += n
         job.done += take
         return logits
@@ -1182,7 +1258,7 @@ class Engine:
             self.state, _ = _verify_and_commit(self._round_spec(R, T, per_slot), self._inputs, self.state, d, conf,
                                                drafted, scale, drafting=self._flag(False),
                                                masks=self._no_mask((R, P, self._mask_words)),
-                                               constrained=self._flag(False))
+                                               constrained=self._flag(False), logprobs=self._flag(False))
             if self.cost is not None and R not in gated:
                 gated.add(R)
                 _after_round(self._round_spec(R), self._inputs, scale, self.state, np.int32(R), np.int32(0),
@@ -1268,16 +1344,19 @@ class Engine:
         else:
             mask_arr, mask_flag = self._no_mask((R, P, self._mask_words)), self._flag(False)
         conf, drafted_arr = self._round_conf(d, R)
+        # logprobs are computed (and read) only in a round where some request asked for them
+        want = bool(self._logprobs) and any(int(self.slot_request[s]) in self._logprobs for s in active_slots)
         self.state, out = _verify_and_commit(self._round_spec(R, T, per_slot), self._inputs, self.state,
                                              d if B > n else None, conf, drafted_arr, scale,
-                                             drafting=self._flag(drafting), masks=mask_arr, constrained=mask_flag)
+                                             drafting=self._flag(drafting), masks=mask_arr, constrained=mask_flag,
+                                             logprobs=self._flag(want))
         after = (np.float32(np.nan), np.True_, np.float32(np.nan))
         if self.cost is not None and can_draft:  # the next round's gate, decided on the device
             after = _after_round(self._round_spec(R), self._inputs, scale, self.state, np.int32(n),
                                  np.int32(longest), np.int32(B), drafted_arr)
         # the round's one blocking read (the draft program's token count aside)
-        (emitted, counts, finished, accepted, new_len), (predicted, next_gate, gain), drafted = _to_host(
-            (out, after, d.drafted if d is not None else np.False_))
+        (emitted, counts, finished, accepted, new_len, lp), (predicted, next_gate, gain), drafted = _to_host(
+            (out if want else out._replace(logprobs=None), after, d.drafted if d is not None else np.False_))
         drafted = bool(drafted)
         self._gate_closed = not bool(next_gate)
         if self._may_drop_context:
@@ -1302,7 +1381,10 @@ class Engine:
                 mask_seconds += time.perf_counter() - t_mask
                 if done is not None:
                     tokens, cut = tokens[:done], done
-            self._emit(rid, tokens)
+            top_n = self._logprobs.get(rid)
+            self._emit(rid, tokens, None if top_n is None else [
+                _token_logprobs(t, lp.chosen[i, j], lp.top_ids[i, j], lp.top[i, j], top_n)
+                for j, t in enumerate(tokens)])
             total += len(tokens)
             self.slot_length[s] = new_len[i]
             if finished[i] or cut is not None:
@@ -1431,6 +1513,11 @@ def _put(tree):
     return jax.device_put(tree)
 
 
+def _token_logprobs(token, chosen, top_ids, top, n: int) -> TokenLogprobs:
+    """A token's `TokenLogprobs` from one position's host arrays, keeping the ``n`` most likely alternatives."""
+    return TokenLogprobs(int(token), float(chosen), tuple((int(i), float(v)) for i, v in zip(top_ids[:n], top[:n])))
+
+
 def _rows_host(active: np.ndarray) -> np.ndarray:
     """Host twin of the device row order: active slots first (ascending), then the others."""
     return np.argsort(~active, kind="stable")
@@ -1502,12 +1589,26 @@ def _block_tables(cache):
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def _prefill_program(spec: RoundSpec, inputs: RoundInputs, state: EngineState, chunk, slot, start, n_valid,
-                   write_context):
+                     follow, prompt_logprobs, write_context):
     """Prefill one chunk of a prompt (`llama.prefill`, chunk [P] static) into ``slot`` and, where
-    ``write_context`` (bool []), the drafter's context of its tokens. Returns the last valid token's logits [V]
-    and the state."""
+    ``write_context`` (bool []), the drafter's context of its tokens. Where ``prompt_logprobs`` (bool []), also
+    the prompt's raw logprobs: entry p reports the token after chunk position p (``chunk[p + 1]``, and ``follow``
+    (int32 []) after the last valid one), from the LM head over the chunk's final hidden states, which the
+    prefill holds anyway (skipped under ``lax.cond`` otherwise: zeros). Returns the last valid token's logits
+    [V], `Logprobs` [P] and the state."""
     logits, extras, cache = prefill(inputs.weights, state.cache, chunk, slot, start, n_valid, spec.cfg,
                                     spec.sharded_slots)
+    P = chunk.shape[0]
+    k = min(MAX_LOGPROBS, spec.cfg.vocab_size)
+
+    def chunk_logprobs():
+        nxt = jnp.where(jnp.arange(P) == n_valid - 1, follow, jnp.roll(chunk, -1))  # [P]
+        every = logits_from_hidden(inputs.weights, extras.final_hidden)  # [P, V]
+        return Logprobs(*logprobs_at(every, jnp.arange(P), nxt, k=k))
+
+    lp = jax.lax.cond(prompt_logprobs, chunk_logprobs,
+                      lambda: Logprobs(jnp.zeros((P,), jnp.float32), jnp.zeros((P, k), jnp.int32),
+                                       jnp.zeros((P, k), jnp.float32)))
     dcache = state.dcache
     if inputs.dstate is not None:
         drafter = nnx.merge(inputs.graph, inputs.dstate)
@@ -1517,20 +1618,24 @@ def _prefill_program(spec: RoundSpec, inputs: RoundInputs, state: EngineState, c
             write_context, lambda dc: dr.write_context(drafter, dc, extras.taps, jnp.full((n,), slot, jnp.int32),
                                                        start + idx, idx < n_valid, _block_tables(cache)),
             lambda dc: dc, dcache)
-    return logits, state.replace(cache=cache, dcache=dcache)
+    return logits, lp, state.replace(cache=cache, dcache=dcache)
 
 
-def _write_chunk_context(spec: RoundSpec, inputs: RoundInputs, state: EngineState, chunk, slot, start, n_valid):
+def _write_chunk_context(spec: RoundSpec, inputs: RoundInputs, state: EngineState, chunk, slot, start, n_valid,
+                         follow, prompt_logprobs):
     """A prompt chunk of a request with the drafter's context: `_prefill_program` writing that context too (the
     same compiled program as a chunk without it)."""
-    return _prefill_program(spec, inputs, state, chunk, slot, start, n_valid, write_context=np.True_)
+    return _prefill_program(spec, inputs, state, chunk, slot, start, n_valid, follow, prompt_logprobs,
+                            write_context=np.True_)
 
 
 @jax.jit
-def _sample_first(logits, request, position, temperature, top_p, seed, mask, constrained):
+def _sample_first(logits, request, position, temperature, top_p, seed, mask, constrained, logprobs):
     """The first token after prefill: argmax at temperature 0, else a draw from ``top_p(softmax(logits / T))``
     with the request's key (``softmax(logits / T)`` itself at top-p 1); with a grammar (``constrained``), the
-    logits masked by its packed mask (uint32 [W]) first."""
+    logits masked by its packed mask (uint32 [W]) first; with its raw `Logprobs` [1] (of the logits before any
+    mask) where ``logprobs`` (bool []; zeros otherwise)."""
+    raw = logits
     logits = jax.lax.cond(constrained, lambda lg: grammar.apply_mask(lg, mask), lambda lg: lg, logits)
 
     def draw():
@@ -1539,7 +1644,12 @@ def _sample_first(logits, request, position, temperature, top_p, seed, mask, con
         law = _target_law(scaled[None, None], top_p[None])[0, 0]
         return categorical(key[None], jnp.where(top_p < 1, safe_log(law), scaled)[None])[0].astype(jnp.int32)
 
-    return jax.lax.cond(temperature > 0, draw, lambda: jnp.argmax(logits).astype(jnp.int32))
+    token = jax.lax.cond(temperature > 0, draw, lambda: jnp.argmax(logits).astype(jnp.int32))
+    k = min(MAX_LOGPROBS, logits.shape[-1])
+    lp = jax.lax.cond(logprobs, lambda: Logprobs(*logprobs_at(raw[None], jnp.zeros(1, jnp.int32), token[None], k=k)),
+                      lambda: Logprobs(jnp.zeros((1,), jnp.float32), jnp.zeros((1, k), jnp.int32),
+                                       jnp.zeros((1, k), jnp.float32)))
+    return token, lp
 
 
 def _target_law(scaled_logits, top_p):
@@ -1687,7 +1797,7 @@ def _draft_and_schedule(spec: RoundSpec, inputs: RoundInputs, state: EngineState
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def _verify_and_commit(spec: RoundSpec, inputs: RoundInputs, state: EngineState, d: DraftOut | None, conf,
-                       drafted, time_scale, *, drafting, masks, constrained) -> tuple[EngineState, RoundOut]:
+                       drafted, time_scale, *, drafting, masks, constrained, logprobs) -> tuple[EngineState, RoundOut]:
     """Pack the scheduled tokens, verify them with one target pass, accept, commit, emit.
 
     With a drafter (``inputs.dstate``), ``conf`` [R, G] and ``drafted`` [] are the round's calibrated
@@ -1707,6 +1817,9 @@ def _verify_and_commit(spec: RoundSpec, inputs: RoundInputs, state: EngineState,
     argmax and the sampling law, so acceptance, residual and bonus all follow the masked law. A row's target pass
     covers only its drafts up to the first one its grammar forbids (`grammar.device_leading_allowed`, the host's
     count too, which chose T); that draft still enters the acceptance rule, which rejects it with certainty.
+    Where ``logprobs`` (bool []), the emitted tokens' raw logprobs and top alternatives (`sampling.logprobs_at`
+    over the packed logits, gathered to rows: `Logprobs` [R, Gv + 1]); zeros otherwise (skipped under
+    ``lax.cond``). They only read the logits: the tokens are the same either way.
     """
     R, T, G, per_slot = spec.rows, spec.tokens, spec.block, spec.per_slot
     rows, row_valid = _device_rows(state.active, R)
@@ -1741,6 +1854,7 @@ def _verify_and_commit(spec: RoundSpec, inputs: RoundInputs, state: EngineState,
     row_slots = None if R == state.cache.num_slots else rows
     logits, extras, cache = forward_packed(inputs.weights, state.cache, tokens, slots, positions, valid, spec.cfg,
                                            per_slot, row_slots)
+    raw_logits = logits  # what logprobs report: the target's law before any grammar
     # grammars: each packed token's logits masked by its row's mask at its position ([T, W] gathered, then bits)
     logits = jax.lax.cond(constrained, lambda lg: grammar.apply_mask(lg, masks[tok_row, jnp.clip(col, 0, Gv)]),
                           lambda lg: lg, logits)
@@ -1785,6 +1899,11 @@ def _verify_and_commit(spec: RoundSpec, inputs: RoundInputs, state: EngineState,
     counts = jnp.minimum(jnp.minimum(n_acc + 1, first_stop + 1), remaining)
     counts = jnp.where(row_valid, counts, 0).astype(jnp.int32)
     finished = row_valid & ((first_stop < counts) | (counts >= remaining))
+    k = min(MAX_LOGPROBS, spec.cfg.vocab_size)
+    lp = jax.lax.cond(  # column j of a row: emitted token j, predicted at packed position idx[r, j]
+        logprobs, lambda: Logprobs(*logprobs_at(raw_logits, idx, emitted[:, : Gv + 1], k=k)),
+        lambda: Logprobs(jnp.zeros((R, Gv + 1), jnp.float32), jnp.zeros((R, Gv + 1, k), jnp.int32),
+                         jnp.zeros((R, Gv + 1, k), jnp.float32)))
     # ---- commit: the anchor and the accepted drafts enter the cache; the next token is the new anchor
     new_len = ctx_len + 1 + n_acc
     cache = commit(cache, jnp.where(row_valid, rows, cache.num_slots), new_len)
@@ -1808,5 +1927,5 @@ def _verify_and_commit(spec: RoundSpec, inputs: RoundInputs, state: EngineState,
         generated=state.generated.at[write].add(counts, mode="drop"),
         active=state.active.at[write].set(~finished, mode="drop"),
     )
-    out = RoundOut(emitted, counts, finished, n_acc.astype(jnp.int32), new_len.astype(jnp.int32))
+    out = RoundOut(emitted, counts, finished, n_acc.astype(jnp.int32), new_len.astype(jnp.int32), lp)
     return new_state, out

@@ -9,7 +9,10 @@ in it with ``exp(x_j) / Z_b``, so every token has exactly ``softmax(x)_j``: the 
 hundred), and the log-domain arithmetic keeps tokens with tiny probability as exact as the one-level draw.
 The random stream differs from ``jax.random.categorical``'s, so the same key draws other tokens.
 
-Axis legend: R rows, N categories (vocabulary or draft vocabulary), B block.
+`logprobs_at` reports what a request asks for with ``logprobs``: the raw log-softmax of the target's logits
+(temperature 1, no top-p), the law the model itself gives, as vLLM's default ``raw_logprobs``.
+
+Axis legend: R rows, N categories (vocabulary or draft vocabulary), B block, P positions asked about, K top.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ BLOCK = 128
 # Temperatures below this decode greedily (as in vLLM): logits divided by a smaller one overflow float32 (a
 # temperature of 1e-40 makes every logit infinite), and the law is already the argmax's within float32.
 GREEDY_TEMPERATURE = 1e-5
+# The most alternatives a request may ask for per token (OpenAI's ``top_logprobs`` bound): the programs always
+# compute this many (a static size), the host keeps what each request asked for.
+MAX_LOGPROBS = 20
 
 
 def effective_temperature(t: float) -> float:
@@ -79,3 +85,30 @@ def categorical(keys: jax.Array, logits: jax.Array, *, block: int = BLOCK) -> ja
     inner = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]  # [R, B]
     j = first_argmax(inner + g_inner)
     return (b * block + j).astype(jnp.int32)
+
+
+def logprobs_at(logits: jax.Array, at: jax.Array, tokens: jax.Array, *, k: int = MAX_LOGPROBS):
+    """Raw log-probabilities (``log_softmax(logits)`` in float32: temperature 1, no top-p) of chosen tokens, with
+    the ``k`` most likely tokens, at some rows of a logits array (the rows are gathered after the reductions: no
+    copy of [P, N] logits).
+
+    Args:
+      logits: float [R, N].
+      at: int [...P] the rows asked about (in [0, R)).
+      tokens: int [...P] the token whose log-probability to report at each.
+      k: static; at most N (fewer categories: all of them).
+
+    Returns:
+      (logprob float32 [...P], top ids int32 [...P, k'], top log-probabilities float32 [...P, k'] in descending
+      order, ties by the lower id), k' = min(k, N).
+
+    >>> lp, ids, top = logprobs_at(jnp.log(jnp.array([[0.5, 0.25, 0.25]])), jnp.array([0, 0]),
+    ...                            jnp.array([1, 0]), k=2)
+    >>> jnp.exp(lp).round(3).tolist(), ids.tolist(), jnp.exp(top).round(3).tolist()
+    ([0.25, 0.5], [[0, 1], [0, 1]], [[0.5, 0.25], [0.5, 0.25]])
+    """
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [R]
+    top_v, top_i = jax.lax.top_k(logits, min(k, logits.shape[-1]))  # [R, k']
+    chosen = logits[at, tokens] - lse[at]  # [...P]
+    return chosen, top_i[at].astype(jnp.int32), top_v[at] - lse[at][..., None]

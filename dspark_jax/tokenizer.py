@@ -1,6 +1,6 @@
 """Tokenizers and chat templates of the two model formats: a GGUF file's metadata (`Tokenizer`) and a Hugging
 Face checkpoint folder (`HFTokenizer`). Both present one interface: `encode`, `decode`, `apply_chat_template`,
-`encode_chat`, `stream`, and `eos_id`, `bos_id`, `stop_ids`, `vocab_size`.
+`encode_chat`, `stream`, `token_bytes`, and `eos_id`, `bos_id`, `stop_ids`, `vocab_size`.
 
 GGUF: the vocabulary, merges, token types and special ids come from `tokenizer.ggml.*`; the pre-tokenizer
 follows `tokenizer.ggml.pre` (SmolLM splits every digit on its own before the GPT-2 byte-level split, as
@@ -134,6 +134,10 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (`token_bytes`)."""
+        return token_bytes(self._tk, token_id)
+
     # -- chat --------------------------------------------------------------------------------------------
 
     @staticmethod
@@ -236,6 +240,45 @@ class StreamDecoder:
         full = self._tok.decode(self._ids[self._prefix:], self._skip)
         self._prefix = self._read = len(self._ids)
         return full[len(done):]
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character that stands for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_chars()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(backend: _HFTokenizer, token_id: int) -> bytes:
+    """The bytes a token stands for, alone (a token may hold part of a UTF-8 character): a byte-level BPE piece
+    through GPT-2's byte alphabet, a SentencePiece piece with ``\u2581`` as a space and ``<0xNN>`` as its byte,
+    a special token as its text in UTF-8; b"" for an id the vocabulary lacks.
+
+    >>> from tokenizers import Tokenizer as T, decoders, models
+    >>> tk = T(models.BPE(vocab={"\u0120hi": 0, "\u00e6": 1}, merges=[]))
+    >>> tk.decoder = decoders.ByteLevel()
+    >>> token_bytes(tk, 0), token_bytes(tk, 1)
+    (b' hi', b'\xe6')
+    """
+    piece = backend.id_to_token(int(token_id))
+    if piece is None:
+        return b""
+    if isinstance(backend.decoder, decoders.ByteLevel) and all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    byte = _BYTE_PIECE.fullmatch(piece)
+    if byte is not None:
+        return bytes([int(byte.group(1), 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")
 
 
 def _token_text(value: Any) -> str | None:
@@ -384,6 +427,10 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (`token_bytes`)."""
+        return token_bytes(self._tk, token_id)
 
     def apply_chat_template(self, turns: Sequence[dict[str, str]] | Sequence[str],
                             add_generation_prompt: bool = True, **template_kwargs: Any) -> str:

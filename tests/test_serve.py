@@ -175,7 +175,9 @@ def test_fields_other_clients_send(served, monkeypatch):
     """What benchmark and agent clients send beside the basics: vLLM's ignore_eos reaches the engine; a
     developer turn is a system turn; an assistant turn may have null content; a Hugging Face id ending in the
     served name, null n and stream, 64-bit seeds and a lower-case bearer scheme are accepted; what the server
-    cannot do (logprobs, echo, tools, a JSON response format, tool turns) is refused by name, not ignored; a
+    cannot do (chat echo, vLLM's prompt_logprobs, tool_choice 'auto' with a template that renders no tools, an
+    output constraint that does not compile) is refused by name, not ignored, and so are misplaced logprobs
+    fields (tests/test_logprobs.py: what logprobs give); a
     conversation the chat template refuses is a 400 in OpenAI's shape; every chunk of a stream has one
     `created`."""
     from dspark_jax.chat_template import ChatTemplateError
@@ -218,7 +220,7 @@ def test_fields_other_clients_send(served, monkeypatch):
     hot = {"prompt": "Once", "temperature": 1.0, "max_tokens": 6}
     assert answer({**hot, "seed": big}, "completions") == answer({**hot, "seed": big % 2**31}, "completions")
     assert answer({**hot, "seed": -1}, "completions") == answer({**hot, "seed": 2**31 - 1}, "completions")
-    for body, param in (({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    for body, param in (({"logprobs": "maybe"}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
                         ({"echo": True}, "echo"),
                         # SmolLM2's template renders no tools: 'auto' (the default with tools) is refused
                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
@@ -244,7 +246,7 @@ def test_fields_other_clients_send(served, monkeypatch):
                  {"continue_final_message": True}):
         r = post("chat/completions", {"messages": msgs, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(body)), r.text
-    for path, body in (("completions", {"prompt": "Hi", "logprobs": 0}), ("completions", {"prompt": "Hi",
+    for path, body in (("completions", {"prompt": "Hi", "prompt_logprobs": 0}), ("completions", {"prompt": "Hi",
                                                                                           "suffix": "x"}),
                        ("chat/completions", {"messages": msgs, "logprobs": 2}),
                        ("chat/completions", {"messages": msgs, "chat_template_kwargs": {"tools": [{"a": 1}]}})):
@@ -413,9 +415,10 @@ def test_bench_http_rows(served, tmp_path):
 def test_serve_doctests():
     import doctest
 
-    from dspark_jax.serve import app, load
+    from dspark_jax import tokenizer
+    from dspark_jax.serve import app, load, logprobs
 
-    for module in (app, load):
+    for module in (app, load, logprobs, tokenizer):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0
 

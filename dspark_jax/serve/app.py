@@ -8,15 +8,21 @@ Per request: ``model`` (optional, as vLLM's), ``temperature`` (0..2; omitted: th
 ``max_completion_tokens``), ``stop`` (strings: the text is cut before the first one, as OpenAI does),
 ``stop_token_ids`` and ``ignore_eos`` (as vLLM's), ``stream`` with ``stream_options.include_usage``; chat also
 ``chat_template_kwargs`` and ``add_generation_prompt`` (as vLLM's) and a ``name`` per message, passed to the
-template; ``n`` must be 1. Structured output (one constraint a request, exact under speculation: `dspark_jax.grammar`):
-``response_format`` ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema",
-"strict"}}``, vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar`` in llguidance's Lark
-dialect, ``json_object``) and its older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``;
-a constraint that does not compile is a 400 naming the field (code ``invalid_grammar``) before any work. Chat takes
+template; ``n`` must be 1. Logprobs: chat ``logprobs`` (true) with ``top_logprobs`` (0..20) gives
+``choices[].logprobs.content``; completions ``logprobs`` (0..20) gives ``{tokens, token_logprobs, top_logprobs,
+text_offset}``, and ``echo`` puts the prompt before the answer (with ``logprobs``, the prompt's tokens too, the
+first one's null); streamed, each chunk carries its own tokens' logprobs. They are the target's raw
+log-probabilities (``log_softmax`` of its logits, at temperature 1 without top-p and before any grammar: vLLM's
+default ``raw_logprobs``), whatever the request samples at (`dspark_jax.serve.logprobs`). Structured output (one
+constraint a request, exact under speculation: `dspark_jax.grammar`): ``response_format``
+``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``, vLLM's
+``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar`` in llguidance's Lark dialect,
+``json_object``) and its older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``; a
+constraint that does not compile is a 400 naming the field (code ``invalid_grammar``) before any work. Chat takes
 ``tools``, ``tool_choice`` and ``parallel_tool_calls`` and tool turns (`dspark_jax.serve.tools`: ``required`` and
 a named function forced by a grammar for every model, ``auto`` only where the template renders tools in a syntax
 parsed here). A field that would change the answer in a way this server cannot do is refused by name (400, code
-``unsupported_parameter``) unless it holds its neutral value: ``logprobs``, ``top_logprobs``, ``echo``,
+``unsupported_parameter``) unless it holds its neutral value: chat's ``echo``, vLLM's ``prompt_logprobs``,
 completions' ``tools``, penalties, ``logit_bias``, ``top_k``, ``min_p``, ``min_tokens``, ``best_of``,
 ``suffix``, ``functions``, ``continue_final_message``. Fields that
 do not change the answer (``user``, ``metadata``, ...) are ignored. Errors are OpenAI's shape, ``{"error":
@@ -59,6 +65,8 @@ from starlette.requests import ClientDisconnect
 from dspark_jax.engine import MAX_SEED, SamplingParams
 from dspark_jax.grammar import grammar_tokenizer
 from dspark_jax.serve.tools import ToolError, calls_as_text, parse_calls, plan_tools
+from dspark_jax.sampling import MAX_LOGPROBS
+from dspark_jax.serve.logprobs import LogprobFormat, text_offsets
 from dspark_jax.serve.worker import EngineWorker, Event, GenerationRequest, QueueFull, ShuttingDown, prometheus_text
 from dspark_jax.tokenizer import TooManyTokens
 
@@ -89,18 +97,17 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: int | None = Field(1, ge=1, le=1, description="only one choice per request")
     # Refused when asked for (see `unsupported`); accepted at their "off" values, which clients send by default.
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     echo: bool | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    def logprobs_asked(self) -> int | None:
+        """Top alternatives per output token the request asks for with its logprobs, None: no logprobs."""
+        raise NotImplementedError
+
     def unsupported(self) -> str | None:
         """The first field asking for something this server does not do, else None."""
-        if (bool(self.logprobs) if self._chat else self.logprobs is not None and self.logprobs is not False):
-            return "logprobs"  # chat: true (or a count); completions: an integer, 0 included, asks for them
-        if self.top_logprobs:
-            return "top_logprobs"
-        if self.echo:
+        if self.echo and self._chat:
             return "echo"
         if self.tools and not self._chat:
             return "tools"
@@ -122,6 +129,9 @@ _NEUTRAL: dict[str, tuple] = {
     "logit_bias": ({},), "top_k": (0, -1), "min_p": (0, 0.0), "min_tokens": (0,), "best_of": (1,),
     "suffix": ("",), "functions": ([],), "function_call": ("none",), "continue_final_message": (False,),
     "guided_whitespace_pattern": (), "guided_decoding_backend": (),
+    # vLLM's prompt logprobs in its own shape (completions' echo with logprobs gives them in OpenAI's) and its
+    # token-id strings
+    "prompt_logprobs": (), "return_tokens_as_token_ids": (False,),
 }
 
 # vLLM's structured-output fields: ``structured_outputs`` keys and the older top-level ``guided_*`` fields, each to
@@ -199,6 +209,11 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a prompt as text or token ids (a list of one of them is taken as it)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    # the most likely alternatives per token (0..20), with each token's own logprob; None: no logprobs
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -222,7 +237,12 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     tool_choice: str | dict[str, Any] | None = None  # `serve.tools`
     parallel_tool_calls: bool | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)  # alternatives, with logprobs
     _chat: ClassVar[bool] = True
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class APIError(Exception):
@@ -416,6 +436,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
     capacity = engine.cfg.capacity - engine.G - 1  # prompt + output tokens a slot holds
     longest_prompt = capacity - 1 if max_prompt_tokens is None else min(int(max_prompt_tokens), capacity - 1)
     created = int(time.time())
+    formats = LogprobFormat(tokenizer)  # token strings for logprobs, each made once
     pool = concurrent.futures.ThreadPoolExecutor(cpu_threads or max(1, min(4, os.cpu_count() or 1)),
                                                  thread_name_prefix="dspark-http-cpu")
 
@@ -503,6 +524,8 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
                            code="unsupported_parameter")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options: only with stream = true", param="stream_options")
+        if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs: only with logprobs = true", param="top_logprobs")
 
     def prompt_too_long(field: str, count: str) -> APIError:
         limit = (f"this model's context holds {capacity} tokens, so a prompt at most {capacity - 1}"
@@ -544,9 +567,11 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
             raise APIError(400, f"prompt: token ids must lie in [0, {vocab})", param="prompt")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         seed = None if body.seed is None else body.seed % (MAX_SEED + 1)
+        top_n = body.logprobs_asked()
         sampling = SamplingParams(temperature=body.temperature, top_p=1.0 if body.top_p is None else body.top_p,
                                   seed=seed, stop_token_ids=stop_ids, ignore_eos=bool(body.ignore_eos),
-                                  grammar=constrained)
+                                  grammar=constrained, logprobs=top_n,
+                                  prompt_logprobs=top_n if body.echo else None)
         return GenerationRequest(prompt_ids, int(max_tokens), sampling), stop
 
     async def run(request: Request, body: _Sampling, prompt_ids: list[int], max_tokens: int | None, chat: bool,
@@ -570,71 +595,118 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
         if first.kind == "error":
             raise APIError(first.status, first.message, "server_error" if first.status >= 500 else
                            "invalid_request_error")
+        with_logprobs = req.sampling.logprobs is not None
+        # completions' echo: the prompt as sent (token ids: their text, special tokens included) before the answer
+        echo = ""
+        if not chat and body.echo:
+            prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list)) \
+                else body.prompt
+            echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, skip_special=False)
 
         def usage():
             return {"prompt_tokens": len(prompt_ids), "completion_tokens": text.tokens,
                     "total_tokens": len(prompt_ids) + text.tokens}
 
+        def logprobs_of(ids: list[int], entries: list, offsets: list[int], empty: bool = False) -> dict | None:
+            """The choice's ``logprobs`` for some tokens (None without logprobs, or for no tokens unless
+            ``empty``)."""
+            if not with_logprobs or not (ids or empty):
+                return None
+            return {"content": formats.chat(entries)} if chat else formats.completion(ids, entries, offsets)
+
+        def echoed(event: Event) -> tuple[str, dict | None]:
+            """The echoed prompt and, with logprobs, its tokens' (the first event carries them)."""
+            if not with_logprobs:
+                return echo, None
+            entries = list(event.prompt_logprobs or [None] * len(prompt_ids))
+            offsets = text_offsets([formats.piece(t) for t in prompt_ids])
+            return echo, formats.completion(prompt_ids, entries, offsets)
+
         failure: list[Event] = []  # the engine's error event, when the answer ends with one
 
         async def answer():
-            """(text delta, finish reason or None) as the engine commits tokens; ends after the reason."""
+            """(text delta, finish reason or None, (token ids, logprobs, text offsets) of the tokens since the last
+            yield) as the engine commits tokens; ends after the reason. Every token consumed (up to the one that
+            ends the answer) is in exactly one yield, its logprobs with it."""
             event = first
+            ids, entries, offsets = [], [], []
+
+            def taken():
+                out = (list(ids), list(entries), list(offsets))
+                ids.clear(), entries.clear(), offsets.clear()
+                return out
+
             while True:
                 if event is None:  # the client left
                     return
                 if event.kind == "error":
                     failure.append(event)
-                    yield text.finish(), "error"
+                    yield text.finish(), "error", taken()
                     return
                 if event.kind == "tokens":
-                    for token in event.tokens:  # one chunk per token, as the round committed them
+                    for j, token in enumerate(event.tokens):  # one chunk per token, as the round committed them
+                        offset = len(echo) + len(text.text)
                         delta = text.push([token])
+                        if with_logprobs:
+                            ids.append(token)
+                            entries.append(event.logprobs[j])
+                            offsets.append(offset)
                         if text.stopped:
                             worker.cancel(req, "stop")
-                            yield delta, "stop"
+                            yield delta, "stop", taken()
                             return
                         if delta:
-                            yield delta, None
+                            yield delta, None, taken()
                 if event.kind == "done":
                     rest = text.finish()  # may complete a stop string held back until now
-                    yield rest, "stop" if text.stopped else event.finish_reason
+                    yield rest, "stop" if text.stopped else event.finish_reason, taken()
                     return
                 event = await _next_event(request, events, worker, req)
 
         if not body.stream:
             parts, reason = [], None
-            async for delta, reason in answer():
+            all_ids, all_entries, all_offsets = [], [], []
+            async for delta, reason, (ids, entries, offsets) in answer():
                 parts.append(delta)
+                all_ids += ids
+                all_entries += entries
+                all_offsets += offsets
             if reason is None:
                 return JSONResponse({}, status_code=499)
             if failure:  # the engine failed mid-answer: an error, not a truncated answer
                 raise APIError(failure[0].status, failure[0].message, "server_error")
             content = "".join(parts)
+            logprobs = logprobs_of(all_ids, all_entries, all_offsets, empty=True)
+            if echo:
+                content = echo + content
+                if logprobs is not None:
+                    head = echoed(first)[1]
+                    logprobs = {k: head[k] + logprobs[k] for k in head}
             message = {"role": "assistant", "content": content}
             if tools is not None:  # the answer's calls (`serve.tools.parse_calls`)
                 content, calls = parse_calls(tools, content)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     reason = "tool_calls" if reason == "stop" else reason
-            choice = ({"index": 0, "message": message, "logprobs": None, "finish_reason": reason} if chat else
-                      {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
+            choice = ({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason} if chat else
+                      {"index": 0, "text": content, "logprobs": logprobs, "finish_reason": reason})
             return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": started,
                     "model": model_name, "choices": [choice], "usage": usage()}
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: str | None, reason: str | None, role: bool = False, calls: list | None = None) -> str:
+        def chunk(delta: str | None, reason: str | None, role: bool = False, calls: list | None = None,
+                  logprobs: dict | None = None) -> str:
             if chat:
                 d = {} if delta is None else {"content": delta}
                 if calls:
                     d["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
                 if role:
                     d["role"] = "assistant"
-                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+                choice = {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+                choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
             out = {"id": rid, "object": obj, "created": started, "model": model_name, "choices": [choice]}
             if include_usage:
                 out["usage"] = None  # as OpenAI: null on every chunk but the last
@@ -645,26 +717,39 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
             try:
                 if chat:
                     yield chunk("", None, role=True)
-                held = []  # with tools: the text is parsed once the answer is whole
-                async for delta, reason in answer():
-                    if delta and tools is not None:
-                        held.append(delta)
-                    elif delta:
-                        yield chunk(delta, None)
-                    if tools is not None and reason is not None and not failure:
-                        content, calls = parse_calls(tools, "".join(held))
-                        if calls:
-                            yield chunk(content, None, calls=calls)
-                            reason = "tool_calls" if reason == "stop" else reason
-                        elif content:
-                            yield chunk(content, None)
+                if echo:
+                    prompt_text, prompt_logprobs = echoed(first)
+                    yield chunk(prompt_text, None, logprobs=prompt_logprobs)
+                held, held_ids, held_entries, held_offsets = [], [], [], []  # with tools: parsed once whole
+                async for delta, reason, (ids, entries, offsets) in answer():
+                    if tools is None:
+                        logprobs = logprobs_of(ids, entries, offsets)
+                        if delta:
+                            yield chunk(delta, None, logprobs=logprobs)
+                            logprobs = None
+                    else:
+                        held.append(delta or "")
+                        held_ids += ids
+                        held_entries += entries
+                        held_offsets += offsets
+                        logprobs = None
+                        if reason is not None and not failure:
+                            logprobs = logprobs_of(held_ids, held_entries, held_offsets)
+                            content, calls = parse_calls(tools, "".join(held))
+                            if calls:
+                                yield chunk(content, None, calls=calls, logprobs=logprobs)
+                                reason = "tool_calls" if reason == "stop" else reason
+                                logprobs = None
+                            elif content:
+                                yield chunk(content, None, logprobs=logprobs)
+                                logprobs = None
                     if failure:  # mid-stream: an error event in OpenAI's shape, then the end of the stream
                         err = failure[0]
                         yield _sse({"error": {"message": err.message, "type": "server_error", "param": None,
                                               "code": None}})
                         finished = True
                     elif reason is not None:
-                        yield chunk(None if chat else "", reason)
+                        yield chunk(None if chat else "", reason, logprobs=logprobs)
                         finished = True
                 if include_usage:
                     yield _sse({"id": rid, "object": obj, "created": started, "model": model_name,

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dspark_jax.engine import Engine, SamplingParams
+from dspark_jax.engine import Engine, SamplingParams, TokenLogprobs
 
 __all__ = ["GenerationRequest", "Event", "EngineWorker", "QueueFull", "ShuttingDown", "Metrics",
            "ROUND_SECONDS_BUCKETS", "prometheus_text"]
@@ -41,11 +41,14 @@ class ShuttingDown(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """What the engine thread tells a request: ``tokens`` (new token ids), ``done`` (``finish_reason``
-    ``"stop"`` or ``"length"``) or ``error`` (``status`` and ``message``)."""
+    """What the engine thread tells a request: ``tokens`` (new token ids, with their `TokenLogprobs` when the
+    request asked for them, and with the first tokens, the prompt's when it asked for those), ``done``
+    (``finish_reason`` ``"stop"`` or ``"length"``) or ``error`` (``status`` and ``message``)."""
 
     kind: str
     tokens: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     finish_reason: str | None = None
     status: int = 0
     message: str = ""
@@ -70,6 +73,7 @@ class GenerationRequest:
     request_id: int | None = None  # the engine's id, once the thread has submitted it
     submitted_at: float = 0.0
     admitted: bool = False
+    prompt_logprobs_sent: bool = False
 
 
 @dataclasses.dataclass
@@ -287,7 +291,12 @@ class EngineWorker:
         for rid, tokens in new.items():
             req = self._by_id.get(rid)
             if req is not None:
-                self._send(req, Event("tokens", tokens=tuple(tokens)))
+                c = eng.requests.get(rid)  # its logprobs are in step with its output tokens
+                logprobs = None if c is None or c.logprobs is None else tuple(c.logprobs[-len(tokens):])
+                prompt = None
+                if c is not None and c.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                    prompt, req.prompt_logprobs_sent = tuple(c.prompt_logprobs), True
+                self._send(req, Event("tokens", tokens=tuple(tokens), logprobs=logprobs, prompt_logprobs=prompt))
         finished = eng.finished_ids[self._finished_seen:]
         self._finished_seen = len(eng.finished_ids)
         with self._lock:
