@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["PagePool", "pages_for", "page_keys"]
+__all__ = ["PagePool", "pages_for", "page_keys", "cached_run"]
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -60,6 +60,25 @@ def page_keys(tokens: Sequence[int], page_size: int, namespace: bytes = b"") -> 
         parent = hashlib.blake2b(parent + ids[j * page_size:(j + 1) * page_size].tobytes(), digest_size=16).digest()
         keys.append(parent)
     return keys
+
+
+def cached_run(tokens: Sequence[int], page_size: int, namespace: bytes, find) -> list:
+    """What ``find(key)`` gives for the keys of ``tokens``' leading full pages, up to the first None, leaving at
+    least the last token out (its logits give the next token, so it is always computed).
+
+    >>> index = dict(zip(page_keys([1, 2, 3, 4], 2), ["p", "q"]))
+    >>> cached_run([1, 2, 3, 4, 5], 2, b"", index.get), cached_run([1, 2, 3, 4], 2, b"", index.get)
+    (['p', 'q'], ['p'])
+    """
+    if len(tokens) < 2:
+        return []
+    found = []
+    for key in page_keys(tokens[: len(tokens) - 1], page_size, namespace):
+        value = find(key)
+        if value is None:
+            break
+        found.append(value)
+    return found
 
 
 class PagePool:
@@ -161,15 +180,9 @@ class PagePool:
     def lookup(self, tokens: Sequence[int], namespace: bytes = b"") -> list[int]:
         """Pages holding the longest run of ``tokens``' full pages that is published, leaving at least the last
         token to compute (its logits give the next token): attach them instead of prefilling them."""
-        if not self.prefix_caching or len(tokens) < 2:
+        if not self.prefix_caching:
             return []
-        pages = []
-        for key in page_keys(tokens[: len(tokens) - 1], self.page_size, namespace):
-            page = self._page_of.get(key)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
+        return cached_run(tokens, self.page_size, namespace, self._page_of.get)
 
     def attach(self, slot: int, pages: Sequence[int]) -> None:
         """``slot`` (reserved, holding nothing yet) starts with ``pages``, shared and read-only."""

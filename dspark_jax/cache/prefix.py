@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dspark_jax.cache.pages import page_keys
+from dspark_jax.cache.pages import cached_run, page_keys
 
 __all__ = ["PrefixStore", "PrefixPages", "init_prefix_pages", "save_pages", "load_pages", "as_pairs"]
 
@@ -64,16 +64,13 @@ class PrefixStore:
     def lookup(self, tokens: Sequence[int], namespace: bytes = b"") -> list[int]:
         """Store pages of the longest run of ``tokens``' leading full pages that is stored, leaving at least the
         last token to compute (its logits give the next token); they become the most recently used."""
-        if len(tokens) < 2:
-            return []
-        pages = []
-        for key in page_keys(tokens[: len(tokens) - 1], self.page_size, namespace):
+        def find(key):
             page = self._page_of.get(key)
-            if page is None:
-                break
-            self._page_of.move_to_end(key)
-            pages.append(page)
-        return pages
+            if page is not None:
+                self._page_of.move_to_end(key)
+            return page
+
+        return cached_run(tokens, self.page_size, namespace, find)
 
     def add(self, tokens: Sequence[int], namespace: bytes = b"", *, skip: int = 0) -> list[tuple[int, int]]:
         """Store pages for the full pages of ``tokens`` (a slot's committed tokens, from position 0) not stored
