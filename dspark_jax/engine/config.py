@@ -111,6 +111,10 @@ class EngineConfig:
     # Pages of the slot layout's prefix store (`cache.prefix`: pages are copied there and back, the slot caches
     # being dense); None: half as many as the slots hold. The "pages" layout keeps prefixes in its pool.
     num_prefix_pages: int | None = None
+    # Rounds (`Engine.rounds`) and finished request ids (`Engine.finished_ids`) the engine keeps: a server runs
+    # indefinitely, so older entries are dropped, and both stay indexed from the engine's first (`requests.History`:
+    # ``len`` counts every entry, ``rounds[n:]`` is what came since ``n = len(rounds)``).
+    max_history: int = 100_000
 
     def __post_init__(self):
         object.__setattr__(self, "temperature", _checked_temperature(self.temperature))
@@ -123,6 +127,8 @@ class EngineConfig:
         if self.num_prefix_pages is not None and not (
                 isinstance(self.num_prefix_pages, (int, np.integer)) and self.num_prefix_pages >= 1):
             raise ValueError(f"num_prefix_pages: expected None or an integer >= 1, got {self.num_prefix_pages!r}")
+        if not (isinstance(self.max_history, (int, np.integer)) and self.max_history >= 1):
+            raise ValueError(f"max_history: expected an integer >= 1, got {self.max_history!r}")
         if self.enable_prefix_caching not in (None, True, False):
             raise ValueError(f"enable_prefix_caching: expected None, True or False, got {self.enable_prefix_caching!r}")
         least = self.num_slots + PREFILL_CHUNKS[0]

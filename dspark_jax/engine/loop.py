@@ -33,7 +33,7 @@ from dspark_jax.engine.compilation import use_compilation_cache
 from dspark_jax.engine.config import SEEDED_KEY_ID, EngineConfig, SamplingParams
 from dspark_jax.engine.policy import Policy, parse_policy
 from dspark_jax.engine.programs import DraftOut
-from dspark_jax.engine.requests import Completion, Prefilling, RoundStats, TokenLogprobs, token_logprobs
+from dspark_jax.engine.requests import Completion, History, Prefilling, RoundStats, TokenLogprobs, token_logprobs
 from dspark_jax.engine.shapes import grid_width, round_shapes, row_bucket
 from dspark_jax.engine.state import EngineState, RoundInputs, RoundSpec, engine_state_axes, init_state
 from dspark_jax.models import drafter as dr
@@ -230,8 +230,10 @@ class Engine:
         self.requests: dict[int, Completion] = {}
         self.pending: deque[tuple[int, list[int], int, SamplingParams]] = deque()
         self.next_id = 0
-        self.rounds: list[RoundStats] = []
-        self.finished_ids: list[int] = []  # in the order requests finished
+        # the last `EngineConfig.max_history` rounds and finished request ids (in the order they finished), indexed
+        # from the first (`requests.History`)
+        self.rounds: History[RoundStats] = History(config.max_history)
+        self.finished_ids: History[int] = History(config.max_history)
         self.record_confidences = False
         self.record_tokens = False  # RoundStats also hold request ids, drafted and emitted tokens (a trace)
         self._gate_closed = False  # the last round found that the drafter would not pay next round
@@ -916,28 +918,30 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ summary
     def summary(self) -> dict[str, float]:
-        """Totals over the rounds run so far (for the generate command and the benchmark)."""
-        if not self.rounds:  # every request ended at admission (a budget of one token): no round ran
+        """Totals over the rounds run so far (for the generate command and the benchmark): over the last
+        `EngineConfig.max_history` rounds, those the engine keeps."""
+        rounds = list(self.rounds)
+        if not rounds:  # every request ended at admission (a budget of one token): no round ran
             return {"rounds": 0, "compiled_rounds": 0, "steady_seconds": 0.0, "emitted_tokens": 0,
                     "tokens_per_s": float("nan"), "mean_active": 0.0, "drafts_per_request": 0.0, "accept_len": 1.0,
                     "rejected_share": 0.0, "mean_batch_tokens": 0.0, "drafted_share": 0.0}
-        sched = np.concatenate([r.scheduled for r in self.rounds])
-        acc = np.concatenate([r.accepted for r in self.rounds])
-        steady = [r for r in self.rounds if not r.compiled]
+        sched = np.concatenate([r.scheduled for r in rounds])
+        acc = np.concatenate([r.accepted for r in rounds])
+        steady = [r for r in rounds if not r.compiled]
         secs = sum(r.seconds for r in steady)
         emitted = sum(r.emitted for r in steady)
         return {
-            "rounds": len(self.rounds),
-            "compiled_rounds": len(self.rounds) - len(steady),
+            "rounds": len(rounds),
+            "compiled_rounds": len(rounds) - len(steady),
             "steady_seconds": secs,
-            "emitted_tokens": sum(r.emitted for r in self.rounds),
+            "emitted_tokens": sum(r.emitted for r in rounds),
             "tokens_per_s": emitted / secs if secs > 0 else float("nan"),
-            "mean_active": float(np.mean([r.active for r in self.rounds])),
+            "mean_active": float(np.mean([r.active for r in rounds])),
             "drafts_per_request": float(sched.mean()),
             "accept_len": float(np.mean(acc + 1)),
             "rejected_share": float(1 - acc.sum() / sched.sum()) if sched.sum() > 0 else 0.0,
-            "mean_batch_tokens": float(np.mean([r.batch_tokens for r in self.rounds])),
-            "drafted_share": float(np.mean([r.drafted for r in self.rounds])),
+            "mean_batch_tokens": float(np.mean([r.batch_tokens for r in rounds])),
+            "drafted_share": float(np.mean([r.drafted for r in rounds])),
             "prefix_hit_rate": self.prefix_cache_stats()["hit_rate"],
         }
 

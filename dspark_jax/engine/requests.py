@@ -1,16 +1,21 @@
-"""The host's records: a request's `Completion`, its `TokenLogprobs`, one round's `RoundStats`, a request being
-prefilled (`Prefilling`)."""
+"""The host's records: a request's `Completion`, its `TokenLogprobs`, one round's `RoundStats`, what one step gave
+(`StepOutput`), a request being prefilled (`Prefilling`), and the engine's bounded `History` of rounds and finished
+requests."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+import itertools
+from collections import deque
+from typing import Any, Generic, Iterator, NamedTuple, TypeVar
 
 import numpy as np
 
 from dspark_jax.engine.config import SamplingParams
 
-__all__ = ["TokenLogprobs", "RoundStats", "Completion", "Prefilling", "token_logprobs"]
+__all__ = ["TokenLogprobs", "RoundStats", "Completion", "StepOutput", "History", "Prefilling", "token_logprobs"]
+
+T = TypeVar("T")
 
 
 class TokenLogprobs(NamedTuple):
@@ -104,3 +109,98 @@ class Prefilling:
 def token_logprobs(token, chosen, top_ids, top, n: int) -> TokenLogprobs:
     """A token's `TokenLogprobs` from one position's host arrays, keeping the ``n`` most likely alternatives."""
     return TokenLogprobs(int(token), float(chosen), tuple((int(i), float(v)) for i, v in zip(top_ids[:n], top[:n])))
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one `Engine.step` gave (the server and the benchmarks read this, not the engine's attributes).
+
+    Attributes:
+      tokens: request id -> the tokens it emitted this step, in order (the first token of a request that joined
+        this step included); requests that emitted nothing are absent.
+      logprobs: request id -> one `TokenLogprobs` per token of ``tokens``, for the requests that asked for them.
+      prompt_logprobs: request id -> its prompt's `TokenLogprobs` (the first None), for the requests that asked and
+        joined this step.
+      finished: request id -> finish reason (``"stop"``: a stop token, a stop id or the grammar's end;
+        ``"length"``: its budget) of the requests that finished this step, in the order they finished
+        (cancellations are not steps' doing: `Engine.cancel` reports those).
+      stats: the round's `RoundStats`, or None when no round ran (nothing was decoding).
+
+    >>> out = StepOutput(tokens={3: [7, 8]}, finished={3: "length"})
+    >>> out.tokens[3], out.finished, out.stats is None
+    ([7, 8], {3: 'length'}, True)
+    """
+
+    tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    logprobs: dict[int, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprobs | None]] = dataclasses.field(default_factory=dict)
+    finished: dict[int, str] = dataclasses.field(default_factory=dict)
+    stats: RoundStats | None = None
+
+
+class History(Generic[T]):
+    """The last ``maxlen`` entries of a record that grows for as long as the engine runs (a server's rounds and
+    finished requests), indexed as if nothing had been dropped: ``len`` counts every entry ever appended, ``h[i]``
+    is the i-th one (IndexError once dropped), ``h[a:b]`` a list of the entries of that range still held, and
+    iteration, ``in`` and ``list(h)`` see the entries held. So ``h[n:]`` with ``n = len(h)`` taken earlier gives
+    what was appended since, as with a list, as long as that is at most ``maxlen`` entries. ``clear`` starts
+    afresh from index 0.
+
+    >>> h = History(maxlen=3)
+    >>> for x in "abcde":
+    ...     h.append(x)
+    >>> len(h), list(h), h[4], h[3:], h.dropped
+    (5, ['c', 'd', 'e'], 'e', ['d', 'e'], 2)
+    """
+
+    def __init__(self, maxlen: int):
+        if not (isinstance(maxlen, (int, np.integer)) and maxlen >= 1):
+            raise ValueError(f"maxlen: expected an integer >= 1, got {maxlen!r}")
+        self.maxlen = int(maxlen)
+        self._items: deque[T] = deque(maxlen=self.maxlen)
+        self.dropped = 0  # entries appended and since dropped (the index of the first held)
+
+    def append(self, item: T) -> None:
+        if len(self._items) == self.maxlen:
+            self.dropped += 1
+        self._items.append(item)
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return self.dropped + len(self._items)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._items)
+
+    def __contains__(self, item) -> bool:
+        return item in self._items
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step) if i >= self.dropped]
+            lo, hi = max(start - self.dropped, 0), max(stop - self.dropped, 0)
+            if hi <= lo:
+                return []
+            n = len(self._items)
+            if n - lo < lo:  # a recent range (h[n:]): walk from the newest end
+                tail = list(itertools.islice(reversed(self._items), n - lo))[::-1]
+                return tail[: hi - lo]
+            return list(itertools.islice(self._items, lo, hi))
+        i = int(index) + (len(self) if index < 0 else 0)
+        if not self.dropped <= i < len(self):
+            raise IndexError(f"history index {index} out of range (held: {self.dropped} to {len(self) - 1})")
+        return self._items[i - self.dropped]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, (History, list)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"History(maxlen={self.maxlen}, dropped={self.dropped}, held={list(self._items)!r})"
