@@ -487,7 +487,7 @@ def test_each_request_uses_the_sts_set_fitted_nearest_its_temperature(model, dra
              for p, t in zip(prompts(3, seed=21), [0.0, 0.8, 0.2])}
     seen = 0
     while not e.idle():
-        st = e.step()
+        st = e.step().stats
         if st is None or st.confidence_logits is None or not st.drafted:
             continue
         for row, rid in enumerate(st.requests):

@@ -67,8 +67,8 @@ from dspark_jax.engine.compilation import COMPILATION_CACHE_ENV, use_compilation
 from dspark_jax.engine.config import MAX_SEED, SEEDED_KEY_ID, EngineConfig, SamplingParams
 from dspark_jax.engine.loop import Engine
 from dspark_jax.engine.policy import POLICY_NAMES, Policy, parse_policy, policy_lengths
-from dspark_jax.engine.requests import Completion, RoundStats, TokenLogprobs
+from dspark_jax.engine.requests import Completion, History, RoundStats, StepOutput, TokenLogprobs
 from dspark_jax.engine.state import EngineState, RoundInputs, RoundSpec, engine_state_axes
 
 __all__ = ["Policy", "parse_policy", "POLICY_NAMES", "EngineConfig", "Engine", "RoundStats", "Completion",
-           "SamplingParams", "TokenLogprobs", "engine_state_axes", "policy_lengths"]
+           "SamplingParams", "TokenLogprobs", "StepOutput", "engine_state_axes", "policy_lengths"]

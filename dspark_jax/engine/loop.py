@@ -33,7 +33,8 @@ from dspark_jax.engine.compilation import use_compilation_cache
 from dspark_jax.engine.config import SEEDED_KEY_ID, EngineConfig, SamplingParams
 from dspark_jax.engine.policy import Policy, parse_policy
 from dspark_jax.engine.programs import DraftOut
-from dspark_jax.engine.requests import Completion, History, Prefilling, RoundStats, TokenLogprobs, token_logprobs
+from dspark_jax.engine.requests import (Completion, History, Prefilling, RoundStats, StepOutput, TokenLogprobs,
+                                        token_logprobs)
 from dspark_jax.engine.shapes import grid_width, round_shapes, row_bucket
 from dspark_jax.engine.state import EngineState, RoundInputs, RoundSpec, engine_state_axes, init_state
 from dspark_jax.models import drafter as dr
@@ -252,6 +253,7 @@ class Engine:
         self._flag_arrays: dict[bool, jax.Array] = {}
         self.reset_time_scale()
         self.on_token: Callable[[int, int], None] | None = None
+        self._out = StepOutput()  # what the current step gave (`step` returns it)
         # The programs' static spec (per round shape: `_round_spec`) and their one pytree of constant inputs.
         self._spec = RoundSpec(cfg=target.cfg, block=self.G, capacity=config.capacity, policy=self._policy_kind,
                                gate=self.gate_cfg, sharded_slots=self._min_rows > 1)
@@ -392,6 +394,33 @@ class Engine:
         self.pages.release(slot)
         self.state = programs.free_slot(self.state, np.int32(slot))
 
+    def _finished(self, rid: int) -> None:
+        """Request ``rid`` ended in this step (its ``finished_by_stop`` set): its reason goes to the step's output."""
+        self._forget_stops(rid)
+        self.finished_ids.append(rid)
+        self._out.finished[rid] = "stop" if self.requests[rid].finished_by_stop else "length"
+
+    def pop_completion(self, request_id: int) -> Completion | None:
+        """Take a finished request's `Completion` out of the engine (a server that streamed its tokens keeps
+        nothing of it); None when the engine holds none (an unknown id, or taken already). A request still queued
+        or decoding keeps its record.
+
+        >>> from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
+        >>> cfg = LlamaConfig.tiny()
+        >>> e = Engine(LlamaModel(cfg, init_random_weights(cfg, jax.random.key(0))), None, "none",
+        ...            EngineConfig(num_slots=1, capacity=64))
+        >>> (done,) = e.run([[1, 2, 3]], 2)
+        >>> e.pop_completion(done.request_id) is done, e.pop_completion(done.request_id)
+        (True, None)
+        """
+        if request_id in self.pending_ids() or request_id in self.slot_request:
+            return None
+        return self.requests.pop(request_id, None)
+
+    def pending_ids(self) -> list[int]:
+        """The ids of the requests queued for a slot, first in first out."""
+        return [item[0] for item in self.pending]
+
     def _forget_stops(self, rid: int) -> None:
         self._extra_stops.pop(rid, None)
         self._ignore_eos.discard(rid)
@@ -422,6 +451,9 @@ class Engine:
         c = self.requests[rid]
         if c.logprobs is not None and logprobs is not None:
             c.logprobs.extend(logprobs[: len(tokens)])
+            self._out.logprobs.setdefault(rid, []).extend(logprobs[: len(tokens)])
+        if len(tokens):
+            self._out.tokens.setdefault(rid, []).extend(int(t) for t in tokens)
         for t in tokens:
             c.output_ids.append(int(t))
             if self.on_token is not None:
@@ -446,6 +478,7 @@ class Engine:
             self.pending.popleft()
             free.pop(0)
             self.slot_request[s] = rid
+            self._out.admitted.append(rid)
             job = self.prefilling[s] = Prefilling(
                 rid, prompt, max_new, sampling, context,
                 prompt_logprobs=None if sampling.prompt_logprobs is None else [None])
@@ -553,14 +586,15 @@ class Engine:
         if self.drafter is not None:
             self.admissions["context" if job.context else "no_context"] += 1
         self.requests[rid].prompt_logprobs = job.prompt_logprobs
+        if job.prompt_logprobs is not None:
+            self._out.prompt_logprobs[rid] = job.prompt_logprobs
         self._emit(rid, [first], logprobs)
         if done:
             self.slot_request[slot] = -1
             self.pages.release(slot)
             self.requests[rid].finished_by_stop = self._eos_ends(rid, first) or (
                 self._stop_cut(rid, [first]) is not None) or self._grammar_done(rid)
-            self._forget_stops(rid)
-            self.finished_ids.append(rid)
+            self._finished(rid)
         else:
             self.slot_length[slot] = len(prompt)
             self.slot_context[slot] = job.context
@@ -713,8 +747,11 @@ class Engine:
         return len(shapes)
 
     # ------------------------------------------------------------------------------------------------ rounds
-    def step(self) -> RoundStats | None:
-        """Admit what fits, then run one round over the active requests. None when idle."""
+    def step(self) -> StepOutput:
+        """Admit what fits, then run one round over the active requests. Returns what the step gave: tokens per
+        request, the requests that finished with their reasons, the round's `RoundStats` (None when no request
+        was decoding: an idle engine, or every admitted request still prefilling or ended at admission)."""
+        out = self._out = StepOutput()
         t0 = time.perf_counter()
         compiles = compile_count()
         finished_before = len(self.finished_ids)
@@ -728,7 +765,7 @@ class Engine:
         active_slots = np.flatnonzero(active)
         n = len(active_slots)
         if n == 0:
-            return None
+            return self._step_done(out, None)
         t_round = time.perf_counter()
         S, G = self.cfg.num_slots, self.G
         for s in active_slots:  # pages for what this round may write: the anchor and up to G drafts
@@ -833,8 +870,7 @@ class Engine:
             if finished[i] or cut is not None:
                 self._publish(int(s), self._committed(int(s)), bool(self.slot_context[s]))
                 self.requests[rid].finished_by_stop = self._eos_ends(rid, tokens[-1]) or cut is not None
-                self._forget_stops(rid)
-                self.finished_ids.append(rid)
+                self._finished(rid)
                 if finished[i]:
                     self.slot_request[s] = -1
                     self.pages.release(int(s))
@@ -855,7 +891,11 @@ class Engine:
             stats.draft_tokens = np.asarray(d.tokens)[:n] if d is not None else None
             stats.emitted_tokens = [emitted[i, : counts[i]].tolist() for i in range(n)]
         self.rounds.append(stats)
-        return stats
+        return self._step_done(out, stats)
+
+    def _step_done(self, out: StepOutput, stats: RoundStats | None) -> StepOutput:
+        out.stats, out.running, out.waiting = stats, int((self.slot_request >= 0).sum()), len(self.pending)
+        return out
 
     def _round_conf(self, d: DraftOut | None, R: int):
         """(confidences [R, G], drafted []) for the verify program: the draft program's, or zeros and False

@@ -124,6 +124,9 @@ class StepOutput:
       finished: request id -> finish reason (``"stop"``: a stop token, a stop id or the grammar's end;
         ``"length"``: its budget) of the requests that finished this step, in the order they finished
         (cancellations are not steps' doing: `Engine.cancel` reports those).
+      admitted: the request ids that took a slot this step (their prompts prefilled now or over the next steps).
+      running: requests holding a slot after the step (decoding or still prefilling).
+      waiting: requests queued for a slot after the step.
       stats: the round's `RoundStats`, or None when no round ran (nothing was decoding).
 
     >>> out = StepOutput(tokens={3: [7, 8]}, finished={3: "length"})
@@ -135,6 +138,9 @@ class StepOutput:
     logprobs: dict[int, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprobs | None]] = dataclasses.field(default_factory=dict)
     finished: dict[int, str] = dataclasses.field(default_factory=dict)
+    admitted: list[int] = dataclasses.field(default_factory=list)
+    running: int = 0
+    waiting: int = 0
     stats: RoundStats | None = None
 
 
