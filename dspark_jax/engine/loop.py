@@ -633,7 +633,7 @@ class Engine:
             mask, constrained = self._no_mask((self._mask_words,)), self._flag(False)
         want = job.sampling.logprobs is not None
         first, lp = programs.sample_first(logits, np.int32(key_id), np.int32(len(job.prompt)), np.float32(temp),
-                                  np.float32(top_p), np.int32(seed), mask, constrained, self._flag(want))
+                                          np.float32(top_p), np.int32(seed), mask, constrained, self._flag(want))
         logprobs = None
         if want:
             first, lp = _to_host((first, lp))
@@ -643,8 +643,8 @@ class Engine:
         if matcher is not None:
             done = matcher.advance([first]) is not None or done
         self.state = programs.admit_slot(self.state, np.int32(slot), np.int32(key_id), np.int32(first),
-                                 np.int32(job.max_new), np.bool_(not done), np.int32(seed), np.float32(temp),
-                                 np.float32(top_p), np.bool_(rid not in self._ignore_eos))
+                                         np.int32(job.max_new), np.bool_(not done), np.int32(seed),
+                                         np.float32(temp), np.float32(top_p), np.bool_(rid not in self._ignore_eos))
         return first, done, logprobs
 
     def _prefill_chunk(self, slot: int, job: "Prefilling", take: int):
@@ -738,8 +738,8 @@ class Engine:
                                                        constrained=self._flag(False), logprobs=self._flag(False))
             if self.cost is not None and R not in gated:
                 gated.add(R)
-                programs.after_round(self._round_spec(R), self._inputs, scale, self.state, np.int32(R), np.int32(0),
-                             np.int32(R), drafted)
+                programs.after_round(self._round_spec(R), self._inputs, scale, self.state, np.int32(R),
+                                     np.int32(0), np.int32(R), drafted)
         # The drafter gate's state starts afresh (warm-up rounds had no requests).
         self.state = self.state.replace(gate=self._init_gate())
         self._gate_closed = False
@@ -751,7 +751,7 @@ class Engine:
         """Admit what fits, then run one round over the active requests. Returns what the step gave: tokens per
         request, the requests that finished with their reasons, the round's `RoundStats` (None when no request
         was decoding: an idle engine, or every admitted request still prefilling or ended at admission)."""
-        out = self._out = StepOutput()
+        step_out = self._out = StepOutput()
         t0 = time.perf_counter()
         compiles = compile_count()
         finished_before = len(self.finished_ids)
@@ -765,7 +765,7 @@ class Engine:
         active_slots = np.flatnonzero(active)
         n = len(active_slots)
         if n == 0:
-            return self._step_done(out, None)
+            return self._step_done(step_out, None)
         t_round = time.perf_counter()
         S, G = self.cfg.num_slots, self.G
         for s in active_slots:  # pages for what this round may write: the anchor and up to G drafts
@@ -833,7 +833,7 @@ class Engine:
         after = (np.float32(np.nan), np.True_, np.float32(np.nan))
         if self.cost is not None and can_draft:  # the next round's gate, decided on the device
             after = programs.after_round(self._round_spec(R), self._inputs, scale, self.state, np.int32(n),
-                                 np.int32(longest), np.int32(B), drafted_arr)
+                                         np.int32(longest), np.int32(B), drafted_arr)
         # the round's one blocking read (the draft program's token count aside)
         (emitted, counts, finished, accepted, new_len, lp), (predicted, next_gate, gain), drafted = _to_host(
             (out if want else out._replace(logprobs=None), after, d.drafted if d is not None else np.False_))
@@ -891,9 +891,10 @@ class Engine:
             stats.draft_tokens = np.asarray(d.tokens)[:n] if d is not None else None
             stats.emitted_tokens = [emitted[i, : counts[i]].tolist() for i in range(n)]
         self.rounds.append(stats)
-        return self._step_done(out, stats)
+        return self._step_done(step_out, stats)
 
     def _step_done(self, out: StepOutput, stats: RoundStats | None) -> StepOutput:
+        """The step's output, completed with the round's stats and the slots' and the queue's counts."""
         out.stats, out.running, out.waiting = stats, int((self.slot_request >= 0).sum()), len(self.pending)
         return out
 

@@ -42,6 +42,8 @@ __all__ = ["DraftOut", "RoundOut", "Logprobs", "prefill_program", "write_chunk_c
 
 
 class DraftOut(NamedTuple):
+    """What `draft_and_schedule` gives `verify_and_commit` (and the host: the batch size B)."""
+
     tokens: jax.Array  # int32 [R, G]
     probs: jax.Array  # float32 [R, G, W]
     conf: jax.Array  # float32 [R, G] calibrated per-token confidences
@@ -52,6 +54,8 @@ class DraftOut(NamedTuple):
 
 
 class RoundOut(NamedTuple):
+    """What `verify_and_commit` gives the host: the emitted tokens and counters of every row."""
+
     emitted: jax.Array  # int32 [R, G + 1]
     counts: jax.Array  # int32 [R] emitted tokens per row
     finished: jax.Array  # bool [R]
@@ -86,7 +90,7 @@ def _block_tables(cache):
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def prefill_program(spec: RoundSpec, inputs: RoundInputs, state: EngineState, chunk, slot, start, n_valid,
-                     follow, prompt_logprobs, write_context):
+                    follow, prompt_logprobs, write_context):
     """Prefill one chunk of a prompt (`llama.prefill`, chunk [P] static) into ``slot`` and, where
     ``write_context`` (bool []), the drafter's context of its tokens. Where ``prompt_logprobs`` (bool []), also
     the prompt's raw logprobs: entry p reports the token after chunk position p (``chunk[p + 1]``, and ``follow``
@@ -119,7 +123,7 @@ def prefill_program(spec: RoundSpec, inputs: RoundInputs, state: EngineState, ch
 
 
 def write_chunk_context(spec: RoundSpec, inputs: RoundInputs, state: EngineState, chunk, slot, start, n_valid,
-                         follow, prompt_logprobs):
+                        follow, prompt_logprobs):
     """A prompt chunk of a request with the drafter's context: `prefill_program` writing that context too (the
     same compiled program as a chunk without it)."""
     return prefill_program(spec, inputs, state, chunk, slot, start, n_valid, follow, prompt_logprobs,
@@ -166,6 +170,8 @@ def free_slot(state, slot):
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def admit_slot(state, slot, request, first, max_new, live, seed, temperature, top_p, eos_stops):
+    """A prefilled request joins ``slot`` with its first token ``first`` as the anchor (decoding where ``live``),
+    its key id, sampling settings and budget; its gate state and confidence history start afresh."""
     return state.replace(
         eos_stops=state.eos_stops.at[slot].set(eos_stops),
         anchor=state.anchor.at[slot].set(first),
@@ -189,7 +195,7 @@ def _device_rows(active, R):
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def after_round(spec: RoundSpec, inputs: RoundInputs, time_scale, state: EngineState, n_active, longest,
-                 batch_tokens, drafted):
+                batch_tokens, drafted):
     """After a round, on the committed state: the cost model's time for the round that just ran (drafting or
     plain, with ``n_active`` requests whose longest held ``longest`` tokens; the host compares it with the
     measured time) and the drafter gate of the next round for the requests still active (`gate.decide`, so
@@ -266,7 +272,7 @@ def draft_and_schedule(spec: RoundSpec, inputs: RoundInputs, state: EngineState,
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def verify_and_commit(spec: RoundSpec, inputs: RoundInputs, state: EngineState, d: DraftOut | None, conf,
-                       drafted, time_scale, *, drafting, masks, constrained, logprobs) -> tuple[EngineState, RoundOut]:
+                      drafted, time_scale, *, drafting, masks, constrained, logprobs) -> tuple[EngineState, RoundOut]:
     """Pack the scheduled tokens, verify them with one target pass, accept, commit, emit.
 
     With a drafter (``inputs.dstate``), ``conf`` [R, G] and ``drafted`` [] are the round's calibrated
