@@ -24,7 +24,7 @@ def fixed_block_rounds(model, drafter, prompts: Sequence[Sequence[int]], *, max_
                           temperature=temperature, seed=seed, mesh=mesh)
     engine.record_confidences = True
     engine.run(prompts, max_new_tokens)
-    return engine.rounds, engine
+    return list(engine.rounds), engine
 
 
 def pooled(rounds: Sequence[RoundStats]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

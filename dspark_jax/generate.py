@@ -60,7 +60,7 @@ def run_traced(engine: Engine, prompt_ids: list[list[int]], max_new_tokens: int,
     ids = [engine.submit(p, max_new_tokens) for p in prompt_ids]
     with open(path, "w", encoding="utf-8", buffering=1) as f:
         while not engine.idle():
-            stats = engine.step()
+            stats = engine.step().stats
             if stats is None:
                 continue
             for row in stats.trace_rows(len(engine.rounds) - 1):

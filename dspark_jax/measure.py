@@ -819,7 +819,7 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
             for batch, engine in engines.items():
                 if len(samples.get((R, batch), ())) >= rounds:
                     continue
-                st = engine.step()
+                st = engine.step().stats
                 if st is None or i < warmup or st.compiled or st.drafted != bool(batch):
                     continue
                 if batch:

@@ -108,7 +108,7 @@ class ClosedLoop:
         out = []
         while not out or self.emitted < total_tokens:
             self._top_up()
-            stats = self.engine.step()
+            stats = self.engine.step().stats
             if stats is not None:
                 out.append(stats)
                 self.emitted += stats.emitted

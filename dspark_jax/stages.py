@@ -321,7 +321,7 @@ def _engine_rounds(target: LlamaModel, drafter: Drafter, *, users: int, context:
         if all(len(s) >= rounds for s in samples.values()):
             break
         for pol, eng in engines.items():
-            st = eng.step()
+            st = eng.step().stats
             if st is None or i < warmup or st.compiled or len(samples[pol]) >= rounds:
                 continue
             samples[pol].append(st.seconds)

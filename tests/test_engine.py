@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from dspark_jax import engine as eng
+from dspark_jax.engine import programs
 from dspark_jax import gate, scheduler, verify
 from dspark_jax.decoding import plain_generate
 from dspark_jax.models import drafter as dr
@@ -272,16 +273,17 @@ def test_gate_margin_asks_drafting_for_a_clear_gain(model, drafter):
 
 
 def _spy(monkeypatch, name, log):
-    """Record the keyword arguments of every call to the engine's jitted part ``name`` in ``log``."""
-    real = getattr(eng, name)
-    monkeypatch.setattr(eng, name, lambda *a, **k: log.append(k) or real(*a, **k))
+    """Record the keyword arguments of every call to the engine's jitted program ``name`` (`engine.programs`)
+    in ``log``."""
+    real = getattr(programs, name)
+    monkeypatch.setattr(programs, name, lambda *a, **k: log.append(k) or real(*a, **k))
 
 
 def test_closed_gate_skips_the_draft_program(model, drafter, monkeypatch):
     """Once a round finds the drafter will not pay for the same requests, the next rounds do not run the draft
     program at all (no dispatch, no host read) until someone joins; output stays that of plain decoding."""
     calls = []
-    _spy(monkeypatch, "_draft_and_schedule", calls)
+    _spy(monkeypatch, "draft_and_schedule", calls)
     ps = prompts(5, seed=6)
     ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
     e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=3, capacity=64, gate_probe_every=1000,
@@ -333,9 +335,9 @@ def test_the_drafter_is_switched_off_where_the_gate_stays_shut(model, drafter, m
         if draft_cost:
             e.warm_up(max_prompt_tokens=20)  # compiles plain decoding's programs too
         verifies, prefill_ctx, gates = [], [], []
-        _spy(monkeypatch, "_verify_and_commit", verifies)
-        _spy(monkeypatch, "_write_chunk_context", prefill_ctx)
-        _spy(monkeypatch, "_after_round", gates)
+        _spy(monkeypatch, "verify_and_commit", verifies)
+        _spy(monkeypatch, "write_chunk_context", prefill_ctx)
+        _spy(monkeypatch, "after_round", gates)
         with count_compilations() as compiled:
             assert [c.output_ids for c in e.run(ps, 10)] == [r.output_ids for r in ref]
         monkeypatch.undo()
@@ -485,7 +487,7 @@ def test_each_request_uses_the_sts_set_fitted_nearest_its_temperature(model, dra
              for p, t in zip(prompts(3, seed=21), [0.0, 0.8, 0.2])}
     seen = 0
     while not e.idle():
-        st = e.step()
+        st = e.step().stats
         if st is None or st.confidence_logits is None or not st.drafted:
             continue
         for row, rid in enumerate(st.requests):

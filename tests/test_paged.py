@@ -303,7 +303,7 @@ def test_prompts_prefilled_within_the_step_budget_keep_streams_decoding_and_exac
         streams = [i for i in ids[:2] if i not in e.finished_ids]
         before = {i: len(e.requests[i].output_ids) for i in streams}
         decoding = int((e.slot_request >= 0).sum()) - len(e.prefilling)
-        st = e.step()
+        st = e.step().stats
         steps.append(st)
         assert st is not None and st.prefilled <= 24 - decoding
         # a running stream emits in every step while the burst prefills

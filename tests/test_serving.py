@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dspark_jax import scheduler
-from dspark_jax.engine import RoundStats
+from dspark_jax.engine import RoundStats, StepOutput
 from dspark_jax.serving import pooled_ratio, scheduling_quality
 from dspark_jax.sps import SPSPoint, SPSTable
 
@@ -215,7 +215,7 @@ class _FakeEngine:
 
     def step(self):
         if not self.left:
-            return None
+            return StepOutput()
         total = 0
         for rid in list(self.left):
             k = min(self.rate, self.left[rid])
@@ -224,7 +224,7 @@ class _FakeEngine:
             if self.left[rid] == 0:
                 del self.left[rid]
                 self.finished_ids.append(rid)
-        return _timed_round(total, 0.01 * self.rate)
+        return StepOutput(stats=_timed_round(total, 0.01 * self.rate))
 
 
 def test_windows_end_at_the_same_token_counts_for_every_engine(monkeypatch):

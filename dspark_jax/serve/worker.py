@@ -2,7 +2,9 @@
 
 `EngineWorker` owns an `Engine` and runs its rounds on one thread. The event loop (the HTTP server) submits
 `GenerationRequest`s and cancels them through a locked inbox; the thread applies them between rounds and
-sends each request's tokens, as the round commits them, to the request's `asyncio.Queue` on its loop.
+sends each request's tokens, as the round commits them, to the request's `asyncio.Queue` on its loop. The thread
+reads what each step gave from its `StepOutput` (tokens, logprobs, finished requests with their reasons,
+admissions and the engine's queue), not from the engine's attributes.
 
 Bounded queue: at most ``max_queued`` accepted requests wait for a slot (`EngineWorker.waiting`: those of the
 inbox and the engine's queue that the free slots will not take at the next admission); past that `submit`
@@ -23,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dspark_jax.engine import Engine, SamplingParams, TokenLogprobs
+from dspark_jax.engine import Engine, SamplingParams, StepOutput, TokenLogprobs
 
 __all__ = ["GenerationRequest", "Event", "EngineWorker", "QueueFull", "ShuttingDown", "Metrics",
            "ROUND_SECONDS_BUCKETS", "prometheus_text"]
@@ -72,8 +74,7 @@ class GenerationRequest:
     loop: asyncio.AbstractEventLoop | None = None
     request_id: int | None = None  # the engine's id, once the thread has submitted it
     submitted_at: float = 0.0
-    admitted: bool = False
-    prompt_logprobs_sent: bool = False
+    admitted: bool = False  # it took a slot (the engine's `StepOutput.admitted`)
 
 
 @dataclasses.dataclass
@@ -131,11 +132,8 @@ class EngineWorker:
         self._engine_pending = 0  # the engine's queue length, as of the thread's last look
         self._stopping = False
         self._metrics = Metrics()
-        self._new_tokens: dict[int, list[int]] = {}
-        self._finished_seen = len(engine.finished_ids)  # the engine may have served before this worker
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # what ended the thread, if it failed
-        engine.on_token = self._on_token
 
     # ------------------------------------------------------------------------------------------ event loop side
     def start(self) -> None:
@@ -210,9 +208,6 @@ class EngineWorker:
     def _send(self, req: GenerationRequest, event: Event) -> None:
         req.loop.call_soon_threadsafe(req.events.put_nowait, event)
 
-    def _on_token(self, rid: int, token: int) -> None:
-        self._new_tokens.setdefault(rid, []).append(token)
-
     def _take_inbox(self) -> tuple[list[GenerationRequest], list[tuple[GenerationRequest, str]]]:
         with self._lock:
             while not self._inbox and not self._cancels and self.engine.idle() and not self._stopping:
@@ -250,6 +245,7 @@ class EngineWorker:
                 except ValueError as e:
                     with self._lock:
                         self._metrics.requests_finished["error"] += 1
+                        self._engine_pending -= 1  # counted when taken from the inbox
                     self._send(req, Event("error", status=400, message=str(e)))
                     continue
                 self._by_id[req.request_id] = req
@@ -258,51 +254,57 @@ class EngineWorker:
             for req, reason in cancels:
                 if req.request_id is not None and req.request_id in self._by_id and eng.cancel(req.request_id):
                     with self._lock:
+                        self._left_engine(req)
                         self._finish(req, reason)
             with self._lock:
-                self._engine_pending = len(eng.pending)
-                self._metrics.running = int((eng.slot_request >= 0).sum())
                 if eng.idle() and self._stopping and not self._inbox:
                     return
             if eng.idle():
                 continue
-            stats = eng.step()  # admits what fits, then one round
-            self._deliver(stats)
+            self._deliver(eng.step())  # admits what fits, then one round
             self._expire(time.monotonic())
+
+    def _left_engine(self, req: GenerationRequest) -> None:  # under the lock: a cancelled request's count
+        if req.admitted:
+            self._metrics.running -= 1
+        else:
+            self._engine_pending -= 1
 
     def _expire(self, now: float) -> None:
         """Requests still queued past ``queue_timeout`` leave the queue and are told so."""
         if self.queue_timeout is None:
             return
-        for rid, _, _, _ in list(self.engine.pending):
-            req = self._by_id[rid]
+        for req in [r for r in self._by_id.values() if not r.admitted]:  # queued in the engine
             waited = now - req.submitted_at
-            if waited > self.queue_timeout:
-                self.engine.cancel(rid)
+            if waited > self.queue_timeout and self.engine.cancel(req.request_id):
                 with self._lock:
+                    self._left_engine(req)
                     self._finish(req, "timeout")
                 self._send(req, Event("error", status=503, message=(
                     f"the request waited {waited:.1f} s for a free slot, longer than the queue timeout of "
                     f"{self.queue_timeout:g} s (--queue-timeout); try again later")))
 
-    def _deliver(self, stats) -> None:
+    def _deliver(self, out: StepOutput) -> None:
+        """Send what the step gave to its requests: their tokens (with logprobs, and the prompt's with the first
+        tokens), then ``done`` to those that finished; update the counters."""
         eng = self.engine
-        new, self._new_tokens = self._new_tokens, {}
-        for rid, tokens in new.items():
+        for rid in out.admitted:
             req = self._by_id.get(rid)
             if req is not None:
-                c = eng.requests.get(rid)  # its logprobs are in step with its output tokens
-                logprobs = None if c is None or c.logprobs is None else tuple(c.logprobs[-len(tokens):])
-                prompt = None
-                if c is not None and c.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-                    prompt, req.prompt_logprobs_sent = tuple(c.prompt_logprobs), True
-                self._send(req, Event("tokens", tokens=tuple(tokens), logprobs=logprobs, prompt_logprobs=prompt))
-        finished = eng.finished_ids[self._finished_seen:]
-        self._finished_seen = len(eng.finished_ids)
+                req.admitted = True
+        for rid, tokens in out.tokens.items():
+            req = self._by_id.get(rid)
+            if req is not None:
+                logprobs = out.logprobs.get(rid)
+                prompt = out.prompt_logprobs.get(rid)
+                self._send(req, Event("tokens", tokens=tuple(tokens),
+                                      logprobs=None if logprobs is None else tuple(logprobs),
+                                      prompt_logprobs=None if prompt is None else tuple(prompt)))
+        stats = out.stats
         with self._lock:
-            self._engine_pending = len(eng.pending)
-            m = self._metrics
-            m.generation_tokens += sum(len(t) for t in new.values())
+            self._engine_pending, m = out.waiting, self._metrics
+            m.running = out.running
+            m.generation_tokens += sum(len(t) for t in out.tokens.values())
             if stats is not None:
                 m.rounds += 1
                 m.round_seconds_sum += stats.seconds
@@ -315,21 +317,18 @@ class EngineWorker:
                 if stats.compiled:
                     m.compiled_rounds += 1
                     m.compiled_seconds += stats.seconds
-            m.running = int((eng.slot_request >= 0).sum())
             prefix = eng.prefix_cache_stats()
             m.prefix_prompt_tokens, m.prefix_cached_tokens = prefix["prompt_tokens"], prefix["cached_tokens"]
             m.kv_pages_in_use, m.prefix_cached_pages = prefix["pages_in_use"], prefix["cached_pages"]
             m.prefix_evictions = prefix["evictions"]
-            for rid in finished:
+            for rid, reason in out.finished.items():
                 req = self._by_id.get(rid)
-                c = eng.requests.get(rid)
-                if req is None or c is None or c.cancelled:
+                if req is None:
                     continue
-                reason = "stop" if c.finished_by_stop else "length"
                 self._finish(req, reason)
                 self._send(req, Event("done", finish_reason=reason))
-        for rid in finished:  # the engine keeps no finished request's tokens (a server runs indefinitely)
-            eng.requests.pop(rid, None)
+        for rid in out.finished:  # the engine keeps no finished request's tokens (a server runs indefinitely)
+            eng.pop_completion(rid)
 
 
 def prometheus_text(m: Metrics, model: str, extra: dict[str, Any] | None = None) -> str:
