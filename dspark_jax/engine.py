@@ -1422,7 +1422,10 @@ class Engine:
         if d is not None:
             return d.conf, d.drafted
         if R not in self._no_conf:  # host arrays put on the device: nothing to compile
-            self._no_conf[R] = _put((np.zeros((R, self.G), np.float32), np.False_))
+            # placed as the draft program places its outputs (replicated over a mesh), so that a plain round
+            # after a draft program and one without it share one verification program
+            where = None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            self._no_conf[R] = jax.device_put((np.zeros((R, self.G), np.float32), np.False_), where)
         return self._no_conf[R]
 
     def _no_mask(self, shape: tuple[int, ...]) -> jax.Array:
