@@ -15,8 +15,14 @@ A dimension that does not divide by its mesh axis is replicated (never padded): 
 query and 3 key/value heads replicate at ``tensor`` = 2 or 4 (its FFN width 1536 and vocabulary 49152 still
 split), and 16 slots replicate at ``data`` = 3. `layout_report` says which arrays replicated what.
 
+The paged KV layout's page pools (`paged_cache_axes`, `paged_drafter_cache_axes`) split over ``tensor`` on their
+KV-head axis and are replicated over ``data``: every slot's reads of the pool are local to its own data group, and
+one pool (one host `cache.pages.PagePool`, one prefix-cache index) serves the whole mesh; the block tables and
+the per-slot arrays split over ``data`` with the slots.
+
 Axis legend (logical names): layers, slots, heads (query heads, fused with the head dimension in the
-weights), kv_heads, ffn, vocab, embed (model width, never split), batch (training examples).
+weights), kv_heads, kv_pairs (a page pool's key-value pairs, one per KV head, interleaved on one axis), ffn,
+vocab, embed (model width, never split), batch (training examples).
 """
 
 from __future__ import annotations
@@ -32,13 +38,13 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from dspark_jax.cli import nonnegative_int, positive_int
-from dspark_jax.models.drafter import DrafterCache
-from dspark_jax.models.llama import KVCache, LayerWeights, LlamaConfig, LlamaWeights
+from dspark_jax.models.drafter import DrafterCache, PagedDrafterCache
+from dspark_jax.models.llama import KVCache, LayerWeights, LlamaConfig, LlamaWeights, PagedKVCache
 
 __all__ = ["DATA", "TENSOR", "MESH_AXES", "ShardingRules", "RULES", "Axes", "make_mesh", "mesh_shape",
            "add_mesh_arguments", "initialize_distributed", "mesh_from_args", "mesh_of", "table_mesh",
            "check_table_mesh", "spec_for", "place", "target_axes", "kv_cache_axes", "drafter_cache_axes",
-           "drafter_state_axes", "target_units", "place_target_weights", "place_drafter_state", "layout_report",
+           "paged_cache_axes", "paged_drafter_cache_axes", "kv_pool_units", "drafter_state_axes", "target_units", "place_target_weights", "place_drafter_state", "layout_report",
            "to_host", "describe_mesh"]
 
 DATA, TENSOR = "data", "tensor"
@@ -57,6 +63,7 @@ class ShardingRules:
     batch: str | None = DATA
     heads: str | None = TENSOR
     kv_heads: str | None = TENSOR
+    kv_pairs: str | None = TENSOR
     ffn: str | None = TENSOR
     vocab: str | None = TENSOR
 
@@ -328,6 +335,43 @@ def drafter_cache_axes() -> DrafterCache:
     """Logical axes of the `DrafterCache` (k, v [L, S, C, K, E])."""
     return DrafterCache(k=Axes("layers", "slots", None, "kv_heads", None),
                         v=Axes("layers", "slots", None, "kv_heads", None))
+
+
+def paged_cache_axes(n_layers: int) -> PagedKVCache:
+    """Logical axes of the target's `PagedKVCache` of ``n_layers`` layers (per layer a page pool [P, ps, 2K, E],
+    block tables [S, N], lengths [S]).
+
+    The pool splits over ``tensor`` on its interleaved key-value axis (2K entries: place it with
+    `kv_pool_units`, so that it splits in whole KV heads, as the slot caches do, or replicates) and is
+    replicated over ``data``: its page axis never splits, so every slot's gathers of its pages stay on its own
+    data group's devices (no communication on the read side, every layer of every round), a round's page writes
+    are small scatters every data group applies, and one host `cache.pages.PagePool` (with one prefix-cache
+    index) serves the whole mesh. The cost is memory: each data group holds the whole pool, so a pool is sized as
+    for one tensor-parallel group (`cache.plan.plan_memory`). The block tables and lengths split over ``data``
+    with the slots.
+
+    >>> paged_cache_axes(1).pages[0].names, paged_cache_axes(1).block_tables.names
+    ((None, None, 'kv_pairs', None), ('slots', None))
+    """
+    return PagedKVCache(pages=tuple(Axes(None, None, "kv_pairs", None) for _ in range(n_layers)),
+                        block_tables=Axes("slots", None), lengths=Axes("slots"))
+
+
+def paged_drafter_cache_axes() -> PagedDrafterCache:
+    """Logical axes of the `PagedDrafterCache` (k, v [L, P, ps, K, E]): its pages follow the target's pool
+    (`paged_cache_axes`), split over ``tensor`` on the drafter's KV heads and replicated over ``data``."""
+    return PagedDrafterCache(k=Axes("layers", None, None, "kv_heads", None),
+                             v=Axes("layers", None, None, "kv_heads", None))
+
+
+def kv_pool_units(cfg: LlamaConfig) -> dict[str, int]:
+    """Indivisible units of the target's page pool (`paged_cache_axes`): its 2K interleaved keys and values
+    split in K whole KV heads (pass as ``units`` to `place`; no other array has a ``kv_pairs`` axis).
+
+    >>> kv_pool_units(LlamaConfig.tiny())
+    {'kv_pairs': 2}
+    """
+    return {"kv_pairs": int(cfg.n_kv_heads)}
 
 
 def target_units(cfg: LlamaConfig) -> dict[str, int]:

@@ -86,8 +86,11 @@ class EngineConfig:
     # Where the KV caches live. "pages": a page pool per layer (target and drafter, one block table) that requests
     # take pages from as their tokens are written and give back when they end, read by the ragged paged
     # attention kernels (`dspark_jax.kernels`); "slots": one dense run of ``capacity`` positions per slot, read in
-    # place (XLA:CPU's gather of pages costs several times the attention's own read); "auto": "pages" on a single
-    # GPU or TPU, "slots" on a CPU or a device mesh.
+    # place (XLA:CPU's gather of pages costs several times the attention's own read); "auto": "pages" on a GPU or
+    # TPU (one device or a mesh), "slots" on a CPU. On a device mesh the page pool splits over 'tensor' on its KV
+    # heads and is replicated over 'data' (`sharding.paged_cache_axes`: reads stay within a data group, one host
+    # pool and prefix index serve the mesh), so every data group holds the whole pool: `num_pages` counts the
+    # pages of one tensor-parallel group.
     kv_layout: str = "auto"
     # Tokens per page (vLLM's ``block_size``): the unit of allocation, and of the slot layout's accounting.
     block_size: int = 16
@@ -105,8 +108,9 @@ class EngineConfig:
     # Automatic prefix caching (vLLM's ``enable_prefix_caching``): full pages of committed tokens are kept under
     # a key chained from every token before them, after their request ends, and a request whose prompt starts with
     # kept pages takes them instead of prefilling them, the drafter's context with them (`cache.pages`,
-    # `cache.prefix`). None: on wherever it runs (one device, either layout); True: required (a device mesh
-    # refuses it); False: off.
+    # `cache.prefix`). None: on wherever it runs (either layout on one device; the "pages" layout on a device
+    # mesh too, whose one pool keeps one index); True: required (the "slots" layout on a device mesh refuses it:
+    # its store is not laid out on a mesh); False: off.
     enable_prefix_caching: bool | None = None
     # Pages of the slot layout's prefix store (`cache.prefix`: pages are copied there and back, the slot caches
     # being dense); None: half as many as the slots hold. The "pages" layout keeps prefixes in its pool.
@@ -155,10 +159,16 @@ class EngineConfig:
         return self.capacity
 
     def layout_for(self, device_platform: str, mesh_devices: int) -> str:
-        """The KV layout ``kv_layout`` resolves to on a platform ("cpu", "gpu", "tpu") and device count."""
+        """The KV layout ``kv_layout`` resolves to on a platform ("cpu", "gpu", "tpu") and device count
+        (``mesh_devices``: the mesh's; "auto" picks by the platform alone, a mesh taking either layout).
+
+        >>> EngineConfig().layout_for("gpu", 8), EngineConfig().layout_for("cpu", 8)
+        ('pages', 'slots')
+        """
+        del mesh_devices  # either layout runs on a mesh (`sharding.paged_cache_axes`)
         if self.kv_layout != "auto":
             return self.kv_layout
-        return "pages" if device_platform in ("gpu", "tpu", "cuda", "rocm") and mesh_devices <= 1 else "slots"
+        return "pages" if device_platform in ("gpu", "tpu", "cuda", "rocm") else "slots"
 
     def gate_config(self) -> gate.GateConfig:
         """The drafter gate's settings (`gate.GateConfig`) from these fields.

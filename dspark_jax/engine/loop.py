@@ -66,7 +66,8 @@ class Engine:
         backend, device kind or dtype, with another drafter shape, or short of the engine's largest round.
       mesh: optional ``(data, tensor)`` device mesh (`sharding.make_mesh`): the target's weights, the
         caches, the drafter and the engine state are laid out on it by `sharding.RULES` (slots over
-        ``data``; heads, FFN width and vocabulary over ``tensor``) and jit propagates the layout; None: one
+        ``data``; heads, FFN width and vocabulary over ``tensor``; the "pages" layout's pool over ``tensor``
+        only, replicated over ``data``: `sharding.paged_cache_axes`) and jit propagates the layout; None: one
         device, as before.
       allow_sps_mesh_mismatch: use a table measured on another mesh anyway (a warning instead).
 
@@ -176,18 +177,19 @@ class Engine:
         # same way; the slot layout's are fixed per slot (its cache is dense).
         device = mesh.devices.flat[0] if mesh is not None else next(iter(target.weights.embed.devices()))
         self.kv_layout = config.layout_for(device.platform, 1 if mesh is None else mesh.devices.size)
-        if self.kv_layout == "pages" and mesh is not None and mesh.devices.size > 1:
-            raise ValueError("kv_layout 'pages' runs on one device; a device mesh uses kv_layout 'slots'")
         per_slot_pages = pages_for(config.capacity, config.block_size)
         contiguous = self.kv_layout == "slots"
         num_pages = S * per_slot_pages if contiguous or config.num_pages is None else config.num_pages
-        on_mesh = mesh is not None and mesh.devices.size > 1
-        if config.enable_prefix_caching and on_mesh:
-            raise ValueError("enable_prefix_caching: a device mesh runs without the prefix cache; set it to None "
+        # The slot layout's prefix store is not laid out on a mesh; the "pages" layout's pool is (replicated over
+        # 'data'), and its one host index serves every data group.
+        store_on_mesh = contiguous and mesh is not None and mesh.devices.size > 1
+        if config.enable_prefix_caching and store_on_mesh:
+            raise ValueError("enable_prefix_caching: kv_layout 'slots' on a device mesh runs without the prefix "
+                             "cache; use kv_layout 'pages' (its pool keeps prefixes on a mesh), or set it to None "
                              "(on where it runs) or False")
         # The prefix cache: the pool's own pages ("pages" layout) or a store of pages copied to and from the
         # dense slot caches ("slots" layout; `cache.prefix`).
-        self.prefix_caching = config.enable_prefix_caching is not False and not on_mesh
+        self.prefix_caching = config.enable_prefix_caching is not False and not store_on_mesh
         self.pages = PagePool(num_pages=num_pages, page_size=config.block_size, num_slots=S,
                               pages_per_slot=per_slot_pages, contiguous=contiguous,
                               prefix_caching=self.prefix_caching and not contiguous)
@@ -203,9 +205,9 @@ class Engine:
         # prompt tokens admitted, and of those taken from the prefix cache instead of prefilled
         self.prefix_counts = {"prompt_tokens": 0, "cached_tokens": 0}
         if mesh is not None:
-            from dspark_jax.sharding import place  # noqa: PLC0415
+            from dspark_jax.sharding import kv_pool_units, place  # noqa: PLC0415
 
-            state = place(state, engine_state_axes(state), mesh)
+            state = place(state, engine_state_axes(state), mesh, units=kv_pool_units(target.cfg))
         # Every program's output state is put back on this layout (`state`), so that each program always
         # sees the same input shardings and compiles once per shape.
         self._state_shardings = jax.tree.map(lambda x: x.sharding, state) if mesh is not None else None

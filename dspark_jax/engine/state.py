@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from dspark_jax import gate
 from dspark_jax.models import drafter as dr
-from dspark_jax.models.llama import LlamaConfig, init_paged_cache
+from dspark_jax.models.llama import LlamaConfig, PagedKVCache, init_paged_cache
 from dspark_jax.engine.policy import Policy
 
 __all__ = ["EngineState", "engine_state_axes", "init_state", "RoundSpec", "RoundInputs"]
@@ -44,11 +44,26 @@ class EngineState:
 
 
 def engine_state_axes(state: EngineState):
-    """Logical axes of an `EngineState` (`sharding.Axes`): everything per slot splits with the slots."""
-    from dspark_jax.sharding import Axes, drafter_cache_axes, kv_cache_axes  # noqa: PLC0415
+    """Logical axes of an `EngineState` (`sharding.Axes`) in either KV layout: everything per slot splits with
+    the slots; the "pages" layout's page pools split over ``tensor`` on their KV heads and are replicated over
+    ``data`` (`sharding.paged_cache_axes`: each data group holds the whole pool, so the pool is sized as for one
+    tensor-parallel group), while their block tables split with the slots. Place the target's pool with
+    `sharding.kv_pool_units`."""
+    from dspark_jax.sharding import (Axes, drafter_cache_axes, kv_cache_axes, paged_cache_axes,  # noqa: PLC0415
+                                     paged_drafter_cache_axes)
 
+    if isinstance(state.cache, PagedKVCache):
+        cache = paged_cache_axes(len(state.cache.pages))
+    else:
+        cache = kv_cache_axes(len(state.cache.k))
+    if state.dcache is None:
+        dcache = None
+    elif isinstance(state.dcache, dr.PagedDrafterCache):
+        dcache = paged_drafter_cache_axes()
+    else:
+        dcache = drafter_cache_axes()
     return EngineState(
-        cache=kv_cache_axes(len(state.cache.k)), dcache=None if state.dcache is None else drafter_cache_axes(),
+        cache=cache, dcache=dcache,
         anchor=Axes("slots"), active=Axes("slots"), request=Axes("slots"), seed=Axes("slots"),
         temperature=Axes("slots"), top_p=Axes("slots"), generated=Axes("slots"),
         max_new=Axes("slots"), eos_stops=Axes("slots"), conf_hist=Axes(None, "slots", None),
