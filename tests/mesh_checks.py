@@ -43,8 +43,9 @@ def prompts(n: int, seed: int = 0, vocab: int = 64) -> list[list[int]]:
 
 
 def run_engine(model, d, policy, ps, budgets, *, mesh=None, temperature=0.0, slots=8, warm=False,
-               calibrate_times=False):
-    """Outputs of an engine run (and the compilations after its warm-up, with ``warm``)."""
+               calibrate_times=False, **config):
+    """Outputs of an engine run (and the compilations after its warm-up, with ``warm``); ``config``: other
+    `EngineConfig` fields (the KV layout)."""
     import numpy as np
 
     from dspark_jax.engine import Engine, EngineConfig
@@ -52,7 +53,8 @@ def run_engine(model, d, policy, ps, budgets, *, mesh=None, temperature=0.0, slo
 
     sps = np.linspace(10.0, 1.0, 48).astype(np.float32)
     e = Engine(model, d, policy, EngineConfig(num_slots=slots, capacity=64, temperature=temperature, seed=3,
-                                              calibrate_times=calibrate_times), sps=sps, stop_ids=[5], mesh=mesh)
+                                              calibrate_times=calibrate_times, **config), sps=sps, stop_ids=[5],
+               mesh=mesh)
     if warm:
         e.warm_up(max_prompt_tokens=max(len(p) for p in ps))
     before = compile_count()
@@ -65,7 +67,8 @@ def run_engine(model, d, policy, ps, budgets, *, mesh=None, temperature=0.0, slo
 def check_engine() -> dict:
     """Greedy output equals plain decoding on one device (what every policy's greedy output is): dspark on
     every mesh, every other policy as well on 2x4; sampled dspark on 2x4 draws the single-device engine's
-    samples; no compilation after warm-up; the layout splits what divides. (The law on a mesh: `check_law`.)"""
+    samples; no compilation after warm-up; the layout splits what divides; the same for the "pages" KV layout
+    (`check_paged_engine`). (The law on a mesh: `check_law`.)"""
     import jax
 
     from dspark_jax.sharding import layout_report, make_mesh
@@ -106,6 +109,53 @@ def check_engine() -> dict:
         assert got == ref, (f"{data}x{tensor}", got, ref)
         out["greedy"][f"{data}x{tensor} dspark"] = True
         log(f"{data}x{tensor} dspark greedy ok")
+    paged = check_paged_engine(model, d, ps, budgets, ref, ps2, budgets2, ref2)
+    out["greedy"].update(paged.pop("greedy"))
+    out.update(paged)
+    return out
+
+
+# The paged layout's checks: pages of 4 tokens, so the prompts (2 to 13 tokens) and answers cross page boundaries.
+PAGED = {"kv_layout": "pages", "block_size": 4}
+
+
+def check_paged_engine(model, d, ps, budgets, ref, ps2, budgets2, ref2) -> dict:
+    """The "pages" KV layout on a mesh (`check_engine`'s workloads and references): on 2x4 (slots and block
+    tables over data, the pool replicated over data; the tiny target's 2 KV heads replicate at tensor = 4) greedy
+    dspark after warm-up equals plain decoding with no compilation, every other policy too, and sampled dspark
+    draws the single-device paged engine's samples; the workload repeats two prompts, so later requests take
+    earlier ones' pages from the prefix cache (on by default with pages, one index for the mesh). On 4x2 the
+    pools split over tensor (2 KV heads at tensor = 2) and greedy dspark equals plain decoding."""
+    from dspark_jax.sharding import layout_report, make_mesh
+
+    out = {"greedy": {}}
+    mesh = make_mesh(2, 4)
+    ps_p, budgets_p, ref_p = ps2 + [ps2[3], ps2[0]], budgets2 + [budgets2[3], budgets2[0]], ref2 + [ref2[3], ref2[0]]
+    got, compiles, e = run_engine(model, d, "dspark", ps_p, budgets_p, mesh=mesh, slots=2, warm=True, **PAGED)
+    assert e.kv_layout == "pages" and e.prefix_caching
+    assert got == ref_p, ("2x4 pages dspark", got, ref_p)
+    assert compiles == 0, compiles
+    out["pages_compiles_after_warm_up"] = compiles
+    out["pages_prefix_cached_tokens"] = e.prefix_cache_stats()["cached_tokens"]
+    assert out["pages_prefix_cached_tokens"] > 0, e.prefix_cache_stats()
+    out["greedy"]["2x4 pages dspark"] = True
+    out["layout_2x4_pages"] = layout_report({"state": e.state})
+    log("2x4 pages dspark greedy after warm-up ok")
+    for pol in ("none", "fixed:2", "threshold:0.3", "dspark-async"):
+        got = run_engine(model, d, pol, ps_p, budgets_p, mesh=mesh, slots=2, **PAGED)[0]
+        assert got == ref_p, ("2x4 pages", pol, got, ref_p)
+        out["greedy"][f"2x4 pages {pol}"] = True
+        log(f"2x4 pages {pol} greedy ok")
+    one = run_engine(model, d, "dspark", ps_p, budgets_p, slots=2, temperature=1.0, **PAGED)[0]
+    got = run_engine(model, d, "dspark", ps_p, budgets_p, mesh=mesh, slots=2, temperature=1.0, **PAGED)[0]
+    assert got == one, ("2x4 pages sampled dspark", got, one)
+    out["pages_sampled_2x4_equals_one_device"] = True
+    log("2x4 pages dspark sampled equals one device")
+    got, _, e = run_engine(model, d, "dspark", ps, budgets, mesh=make_mesh(4, 2), **PAGED)
+    assert got == ref, ("4x2 pages", got, ref)
+    out["greedy"]["4x2 pages dspark"] = True
+    out["layout_4x2_pages"] = layout_report({"state": e.state})
+    log("4x2 pages dspark greedy ok")
     return out
 
 
