@@ -178,7 +178,8 @@ def build_engine(target: LlamaModel, policy: str = "dspark", *, draft: str | Pat
       allow_sps_mesh_mismatch: use an SPS table measured on another mesh (otherwise refused).
       gpu_memory_utilization: with the "pages" KV layout on a device that reports its memory (a GPU, a TPU) and
         no ``num_pages``, the share of that memory for weights, drafter, a round's workspace and the page pool,
-        which gets the rest (`cache.plan.plan_memory`; at most every slot at full capacity).
+        which gets the rest (`cache.plan.plan_memory`, per device of a tensor-parallel group on a mesh; at most
+        every slot at full capacity).
       **config: any other `EngineConfig` field (``kv_layout``, ``block_size``, ``num_pages``,
         ``max_num_batched_tokens``, ...).
 
@@ -230,10 +231,12 @@ def planned_pages(target: LlamaModel, drafter_cfg: Any, cfg: EngineConfig, mesh:
                   gpu_memory_utilization: float) -> int | None:
     """Pages for a "pages" engine on a device that reports its memory: what `cache.plan.plan_memory` leaves
     for the pool at ``gpu_memory_utilization``, at most every slot at full capacity; None elsewhere (the engine's
-    default: every slot at full capacity)."""
+    default: every slot at full capacity). On a mesh, planned per device of a tensor-parallel group: the pool
+    splits over ``tensor`` and is replicated over ``data`` (`sharding.paged_cache_axes`)."""
     from dspark_jax.cache.pages import pages_for  # noqa: PLC0415
     from dspark_jax.cache.plan import plan_memory  # noqa: PLC0415
     from dspark_jax.device_check import device_memory_bytes  # noqa: PLC0415
+    from dspark_jax.sharding import TENSOR, mesh_shape  # noqa: PLC0415
 
     device = mesh.devices.flat[0] if mesh is not None else next(iter(target.weights.embed.devices()))
     if cfg.layout_for(device.platform, 1 if mesh is None else mesh.devices.size) != "pages":
@@ -244,7 +247,8 @@ def planned_pages(target: LlamaModel, drafter_cfg: Any, cfg: EngineConfig, mesh:
     plan = plan_memory(target.cfg, drafter_cfg, device_memory_bytes=memory,
                        gpu_memory_utilization=gpu_memory_utilization, block_size=cfg.block_size,
                        max_model_len=cfg.capacity, max_num_seqs=cfg.num_slots,
-                       max_num_batched_tokens=cfg.max_num_batched_tokens or cfg.capacity, dtype=target.dtype)
+                       max_num_batched_tokens=cfg.max_num_batched_tokens or cfg.capacity, dtype=target.dtype,
+                       tensor_parallel_size=mesh_shape(mesh)[TENSOR])
     return min(plan.kv_pool_pages, cfg.num_slots * pages_for(cfg.capacity, cfg.block_size))
 
 
@@ -275,8 +279,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, policy: str = "dspark") 
     p.add_argument("--seed", type=nonnegative_int, default=0)
     g = p.add_argument_group("KV cache and scheduling (vLLM's names)")
     g.add_argument("--kv-layout", default="auto", choices=["auto", "pages", "slots"],
-                   help="auto: a page pool on one GPU/TPU (ragged paged attention kernels), dense per-slot caches on "
-                        "a CPU or a mesh")
+                   help="auto: a page pool on a GPU/TPU (ragged paged attention kernels; on a mesh split over "
+                        "tensor and replicated over data), dense per-slot caches on a CPU")
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV page")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="share of the device's memory for weights, drafter, workspace and the page pool (pages layout)")
@@ -287,8 +291,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, policy: str = "dspark") 
                         "(0: each prompt whole at admission)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="keep full pages of finished and running requests (target K/V and the drafter's context) for "
-                        "later requests whose prompts start the same (default: on wherever it runs; a device mesh "
-                        "runs without it)")
+                        "later requests whose prompts start the same (default: on wherever it runs; the slot "
+                        "layout on a device mesh runs without it)")
     g.add_argument("--num-prefix-pages", type=positive_int, default=None,
                    help="pages of the prefix store of the slot layout (default: half the slots' pages); the pages "
                         "layout keeps prefixes in its pool")

@@ -250,8 +250,8 @@ def mesh_fit(cfg: LlamaConfig, num_slots: int, mesh: Mesh | None) -> list[str]:
 # ---------------------------------------------------------------------------------------------------- layouts
 
 
-def spec_for(shape: Sequence[int], axes: Axes, mesh: Mesh, *, units: Mapping[str, int] | None = None,
-             rules: ShardingRules = RULES) -> P:
+def spec_for(shape: Sequence[int], axes: Axes, mesh: Mesh | Mapping[str, int], *,
+             units: Mapping[str, int] | None = None, rules: ShardingRules = RULES) -> P:
     """The partition spec of one array: each logical axis mapped by the rules, replicated where its size
     (or its number of ``units``, e.g. heads for a fused heads x head-dim axis) does not divide by the mesh
     axis, or where an earlier axis of the array already took that mesh axis.
@@ -259,7 +259,7 @@ def spec_for(shape: Sequence[int], axes: Axes, mesh: Mesh, *, units: Mapping[str
     Args:
       shape: the array's shape.
       axes: its logical axes (as many as the shape has dimensions).
-      mesh: the mesh.
+      mesh: the mesh, or its axis sizes (``{"data": M, "tensor": N}``: a layout planned without devices).
       units: logical name -> how many indivisible units that axis holds (default: its size).
     Returns:
       a `PartitionSpec`.
@@ -269,14 +269,17 @@ def spec_for(shape: Sequence[int], axes: Axes, mesh: Mesh, *, units: Mapping[str
     P('data', 'tensor')
     >>> spec_for((4, 6), Axes("heads", None), make_mesh(1, 1, jax.devices()[:1]))
     P('tensor',)
+    >>> spec_for((4, 6), Axes("slots", "heads"), {"data": 2, "tensor": 4})
+    P('data',)
     """
     if len(axes.names) != len(shape):
         raise ValueError(f"logical axes {axes.names} do not match an array of shape {tuple(shape)}")
     units = units or {}
+    sizes = mesh if isinstance(mesh, Mapping) else mesh.shape
     used, out = set(), []
     for size, name in zip(shape, axes.names):
         target = rules.mesh_axis(name)
-        n = mesh.shape.get(target, 1) if target is not None else 1
+        n = sizes.get(target, 1) if target is not None else 1
         count = units.get(name, size)
         if target is None or target in used or count % n or size % n:
             out.append(None)

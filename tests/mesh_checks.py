@@ -125,7 +125,8 @@ def check_paged_engine(model, d, ps, budgets, ref, ps2, budgets2, ref2) -> dict:
     dspark after warm-up equals plain decoding with no compilation, every other policy too, and sampled dspark
     draws the single-device paged engine's samples; the workload repeats two prompts, so later requests take
     earlier ones' pages from the prefix cache (on by default with pages, one index for the mesh). On 4x2 the
-    pools split over tensor (2 KV heads at tensor = 2) and greedy dspark equals plain decoding."""
+    pools split over tensor (2 KV heads at tensor = 2) and greedy dspark equals plain decoding. (The CPU runs the
+    XLA path; the GPU / TPU kernels on a mesh: `check_kernel_on_mesh`.)"""
     from dspark_jax.sharding import layout_report, make_mesh
 
     out = {"greedy": {}}
@@ -156,6 +157,46 @@ def check_paged_engine(model, d, ps, budgets, ref, ps2, budgets2, ref2) -> dict:
     out["greedy"]["4x2 pages dspark"] = True
     out["layout_4x2_pages"] = layout_report({"state": e.state})
     log("4x2 pages dspark greedy ok")
+    out["pages_kernel_on_mesh"] = check_kernel_on_mesh()
+    log("paged attention kernel per device ok")
+    return out
+
+
+def check_kernel_on_mesh() -> dict:
+    """The Pallas GPU kernel (interpret mode: the kernel path the engine takes on a GPU, which XLA cannot
+    partition) under a current mesh runs per device (`kernels.per_device`): on 4x2 each device attends with its
+    own KV heads over its share of the pool, no collective in the program; on 2x4 (2 KV heads do not divide by
+    4) every device attends with every head. Both equal the kernel on one device."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from dspark_jax import kernels
+    from dspark_jax.sharding import make_mesh
+
+    rng = np.random.default_rng(0)
+    T, H, K, E, pool, ps = 8, 4, 2, 8, 12, 4
+    q = jnp.asarray(rng.normal(size=(T, H, E)), jnp.float32)
+    pages = jnp.asarray(rng.normal(size=(pool, ps, 2 * K, E)), jnp.float32)
+    meta = (jnp.array([5, 9, 3], jnp.int32), jnp.asarray(rng.permutation(pool).reshape(3, 4), jnp.int32),
+            jnp.array([0, 2, 5, 6], jnp.int32), jnp.array([3], jnp.int32))
+    attend = jax.jit(lambda *a: kernels.ragged_paged_attention(*a, max_q_per_seq=3, impl="gpu", interpret=True,
+                                                               head_axis="tensor"))
+    want = np.asarray(attend(q, pages, *meta))
+    out = {}
+    for data, tensor in ((4, 2), (2, 4)):
+        mesh = make_mesh(data, tensor)
+        split = K % tensor == 0
+        args = (jax.device_put(q, NamedSharding(mesh, P(None, "tensor"))),
+                jax.device_put(pages, NamedSharding(mesh, P(None, None, "tensor") if split else P())), *meta)
+        with jax.set_mesh(mesh):
+            got = attend(*args)
+            hlo = attend.lower(*args).compile().as_text()
+        np.testing.assert_array_equal(np.asarray(got), want)
+        collectives = [op for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute") if op in hlo]
+        assert not split or not collectives, collectives
+        out[f"{data}x{tensor}"] = {"heads_split": split, "collectives": collectives}
     return out
 
 

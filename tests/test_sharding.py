@@ -140,6 +140,8 @@ def test_engine_on_eight_devices_equals_one_device():
     assert pages["state.cache.pages.0"] == "(None, None, 'tensor')"
     assert pages["state.dcache.k"] == "(None, None, None, 'tensor')"
     assert pages["state.cache.block_tables"] == "('data',)"
+    kernel = result["pages_kernel_on_mesh"]  # the paged attention kernel per device: no collective where heads split
+    assert kernel["4x2"] == {"heads_split": True, "collectives": []} and not kernel["2x4"]["heads_split"]
     assert result["law"]["chi2"] < result["law"]["critical"]
 
 

@@ -9,6 +9,13 @@ pages follow the target's (one block table), so a page holds both.
 Shapes only: the weights are `jax.eval_shape`-d (nothing is allocated), so a plan for an 8B model on an 80 GB
 device runs anywhere.
 
+On a device mesh (``tensor_parallel_size`` N > 1) the plan is per device of a tensor-parallel group: weights and
+cache bytes split over N where `sharding.RULES` splits them (heads, FFN width and vocabulary, the pool's KV heads
+where they divide by N; the rest whole on every device). The page pool is replicated over the mesh's ``data``
+axis (`sharding.paged_cache_axes`): every data group holds the whole pool, so the pool a plan sizes is one
+tensor-parallel group's and data parallelism does not enlarge it. The round workspace stays the unsplit upper
+estimate.
+
 Axis legend: L target layers, K KV heads, E head dim, D width, F FFN width, V vocabulary, W draft vocabulary,
 G block, T batched tokens of a round.
 """
@@ -24,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax import sharding
 from dspark_jax.models import drafter as dr
 from dspark_jax.models.llama import LlamaConfig, init_random_weights
 
@@ -43,40 +51,70 @@ def _nbytes(tree, dtype: Any | None = None) -> int:
     return int(total)
 
 
-def target_bytes(cfg: LlamaConfig, dtype: Any = jnp.bfloat16) -> int:
-    """Bytes of the target's weights in ``dtype`` (from shapes alone).
+def _split(nbytes: int, shape, axes: sharding.Axes, tensor: int, units: dict[str, int]) -> int:
+    """Bytes one device of a tensor-parallel group of ``tensor`` holds of an array of ``nbytes`` bytes: a share
+    where the rules split one of its axes over ``tensor``, else all of it."""
+    if tensor == 1 or sharding.TENSOR not in tuple(sharding.spec_for(shape, axes, {sharding.TENSOR: tensor},
+                                                                     units=units)):
+        return nbytes
+    return nbytes // tensor
 
-    >>> target_bytes(LlamaConfig.tiny(), jnp.float32)
-    82560
+
+def _split_nbytes(tree, axes, tensor: int, units: dict[str, int], dtype: Any | None = None) -> int:
+    """`_nbytes` per device of a tensor-parallel group (``axes``: the tree's `sharding.Axes`)."""
+    total = 0
+    for ax, leaf in zip(jax.tree.leaves(axes, is_leaf=lambda a: isinstance(a, sharding.Axes)), jax.tree.leaves(tree),
+                        strict=True):
+        total += _split(_nbytes(leaf, dtype), leaf.shape, ax, tensor, units)
+    return int(total)
+
+
+def target_bytes(cfg: LlamaConfig, dtype: Any = jnp.bfloat16, tensor_parallel_size: int = 1) -> int:
+    """Bytes of the target's weights in ``dtype`` (from shapes alone), per device of a tensor-parallel group of
+    ``tensor_parallel_size`` (heads, FFN width and vocabulary split where they divide: `sharding.target_axes`).
+
+    >>> target_bytes(LlamaConfig.tiny(), jnp.float32), target_bytes(LlamaConfig.tiny(), jnp.float32, 2)
+    (82560, 41600)
     """
     shapes = jax.eval_shape(lambda: init_random_weights(cfg, jax.random.key(0), dtype))
-    return _nbytes(shapes)
+    return _split_nbytes(shapes, sharding.target_axes(shapes), int(tensor_parallel_size), sharding.target_units(cfg))
 
 
-def drafter_param_bytes(cfg: dr.DrafterConfig, dtype: Any = jnp.bfloat16) -> int:
+def drafter_param_bytes(cfg: dr.DrafterConfig, dtype: Any = jnp.bfloat16, tensor_parallel_size: int = 1) -> int:
     """Bytes of a drafter's own parameters and buffers, floating ones in ``dtype`` (the embedding and LM head
-    it shares with the target are not its own unless ``cfg.own_embeddings``).
+    it shares with the target are not its own unless ``cfg.own_embeddings``), per device of a tensor-parallel
+    group of ``tensor_parallel_size`` (`sharding.drafter_state_axes`).
 
     >>> drafter_param_bytes(dr.DrafterConfig(vocab_size=64, dim=32, n_heads=4, n_kv_heads=2, head_dim=8,
     ...                                      ffn_dim=64, rank=8, block=4), jnp.float32) > 0
     True
     """
-    abstract = nnx.eval_shape(lambda: dr.Drafter(cfg, rngs=nnx.Rngs(0)))
-    return _nbytes(nnx.state(abstract), dtype)
+    state = nnx.state(nnx.eval_shape(lambda: dr.Drafter(cfg, rngs=nnx.Rngs(0))))
+    units = {"heads": int(cfg.n_heads), "kv_heads": int(cfg.n_kv_heads)}
+    return _split_nbytes(state, sharding.drafter_state_axes(state), int(tensor_parallel_size), units, dtype)
 
 
 def kv_bytes_per_token(target: LlamaConfig, drafter: dr.DrafterConfig | None = None,
-                       dtype: Any = jnp.bfloat16) -> int:
+                       dtype: Any = jnp.bfloat16, tensor_parallel_size: int = 1) -> int:
     """Cache bytes one token costs: the target's K and V in every layer, plus the drafter's context K and V in
-    every draft layer.
+    every draft layer; per device of a tensor-parallel group of ``tensor_parallel_size`` (each pool's KV heads
+    split where they divide by it, `sharding.paged_cache_axes`; the pool is replicated over data groups).
 
     >>> kv_bytes_per_token(LlamaConfig.tiny(), None, jnp.float32)  # 2 layers x 2 heads x 8 x (K, V) x 4 bytes
     256
+    >>> kv_bytes_per_token(LlamaConfig.tiny(), None, jnp.float32, 2), kv_bytes_per_token(LlamaConfig.tiny(), None,
+    ...                                                                                 jnp.float32, 4)
+    (128, 256)
     """
-    size = jnp.dtype(dtype).itemsize
-    per = target.n_layers * target.n_kv_heads * target.head_dim * 2 * size
+    size, tensor = jnp.dtype(dtype).itemsize, int(tensor_parallel_size)
+    K, E = target.n_kv_heads, target.head_dim
+    page = (1, 1, 2 * K, E)  # one position of one layer's pool
+    per = target.n_layers * _split(2 * K * E * size, page, sharding.paged_cache_axes(1).pages[0], tensor,
+                                   sharding.kv_pool_units(target))
     if drafter is not None:
-        per += drafter.n_layers * drafter.n_kv_heads * drafter.head_dim * 2 * size
+        Kd, Ed = drafter.n_kv_heads, drafter.head_dim
+        per += _split(drafter.n_layers * Kd * Ed * size, (drafter.n_layers, 1, 1, Kd, Ed),
+                      sharding.paged_drafter_cache_axes().k, tensor, {}) * 2
     return int(per)
 
 
@@ -115,6 +153,7 @@ class MemoryPlan:
     max_num_seqs: int
     max_num_batched_tokens: int
     dtype: str
+    tensor_parallel_size: int = 1  # bytes are per device of a tensor-parallel group of this size
 
     @property
     def full_length_requests(self) -> float:
@@ -129,9 +168,12 @@ class MemoryPlan:
     def describe(self) -> str:
         """A few lines for people."""
         g = lambda b: f"{b / GIB:.2f} GiB"
+        group = ("" if self.tensor_parallel_size == 1 else
+                 f"; per device of a tensor-parallel group of {self.tensor_parallel_size}, every data-parallel "
+                 f"group holding the whole pool")
         return "\n".join([
             f"device memory {g(self.device_memory_bytes)} x {self.gpu_memory_utilization:g} = "
-            f"{g(self.device_memory_bytes * self.gpu_memory_utilization)} for the engine ({self.dtype})",
+            f"{g(self.device_memory_bytes * self.gpu_memory_utilization)} for the engine ({self.dtype}){group}",
             f"  target weights {g(self.weights_bytes)}, drafter {g(self.drafter_bytes)}, "
             f"round workspace {g(self.workspace_bytes)}",
             f"  KV pool {g(self.kv_pool_bytes)}: {self.kv_pool_pages} pages x {self.block_size} tokens = "
@@ -143,8 +185,9 @@ class MemoryPlan:
 
 def plan_memory(target: LlamaConfig, drafter: dr.DrafterConfig | None, *, device_memory_bytes: int,
                 gpu_memory_utilization: float = 0.9, block_size: int = 16, max_model_len: int = 8192,
-                max_num_seqs: int = 64, max_num_batched_tokens: int = 512, dtype: Any = jnp.bfloat16) -> MemoryPlan:
-    """Size the paged KV pool for a target (and drafter) on a device.
+                max_num_seqs: int = 64, max_num_batched_tokens: int = 512, dtype: Any = jnp.bfloat16,
+                tensor_parallel_size: int = 1) -> MemoryPlan:
+    """Size the paged KV pool for a target (and drafter) on a device, or on each device of a mesh.
 
     Args:
       target: the target's config; drafter: the drafter's (None: plain decoding).
@@ -153,8 +196,11 @@ def plan_memory(target: LlamaConfig, drafter: dr.DrafterConfig | None, *, device
       block_size: tokens per page; max_model_len: the longest request (prompt + answer) in tokens;
       max_num_seqs: requests decoded together; max_num_batched_tokens: tokens of one round (the workspace).
       dtype: weights' and caches' dtype.
+      tensor_parallel_size: the mesh's ``tensor`` size N: weights and pages split over N where the rules split
+        them, and ``device_memory_bytes`` is one device's. The pool is replicated over ``data``, so the pages
+        planned are one tensor-parallel group's whatever the data-parallel size.
     Returns:
-      A `MemoryPlan`.
+      A `MemoryPlan` (bytes per device; ``kv_pool_pages`` and ``kv_pool_tokens`` the pool's).
     Raises:
       ValueError: bad arguments, or a pool that cannot hold one request of ``max_model_len`` tokens.
 
@@ -167,13 +213,15 @@ def plan_memory(target: LlamaConfig, drafter: dr.DrafterConfig | None, *, device
         raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {gpu_memory_utilization}")
     for name, value in (("device_memory_bytes", device_memory_bytes), ("block_size", block_size),
                         ("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens)):
+                        ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("tensor_parallel_size", tensor_parallel_size)):
         if not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
-    weights = target_bytes(target, dtype)
-    own = 0 if drafter is None else drafter_param_bytes(drafter, dtype)
+    tp = int(tensor_parallel_size)
+    weights = target_bytes(target, dtype, tp)
+    own = 0 if drafter is None else drafter_param_bytes(drafter, dtype, tp)
     work = workspace_bytes(target, drafter, max_num_batched_tokens, max_num_seqs, dtype)
-    per_token = kv_bytes_per_token(target, drafter, dtype)
+    per_token = kv_bytes_per_token(target, drafter, dtype, tp)
     budget = int(device_memory_bytes * gpu_memory_utilization)
     pool = budget - weights - own - work
     pages = max(pool, 0) // (block_size * per_token)
@@ -183,10 +231,11 @@ def plan_memory(target: LlamaConfig, drafter: dr.DrafterConfig | None, *, device
             f"the KV pool holds {tokens} tokens, less than one request of max_model_len {max_model_len}: "
             f"{budget / GIB:.2f} GiB usable (gpu_memory_utilization {gpu_memory_utilization:g}), weights "
             f"{weights / GIB:.2f} GiB, drafter {own / GIB:.2f} GiB, workspace {work / GIB:.2f} GiB; raise "
-            f"gpu_memory_utilization, lower max_model_len or max_num_batched_tokens, or use more devices")
+            f"gpu_memory_utilization, lower max_model_len or max_num_batched_tokens, or use a larger tensor-parallel "
+            f"size (the pool is replicated over data-parallel groups: more of them do not enlarge it)")
     return MemoryPlan(device_memory_bytes=int(device_memory_bytes), gpu_memory_utilization=float(gpu_memory_utilization),
                       weights_bytes=weights, drafter_bytes=own, workspace_bytes=work, kv_bytes_per_token=per_token,
                       block_size=block_size, kv_pool_pages=int(pages), kv_pool_tokens=int(tokens),
                       kv_pool_bytes=int(pages * block_size * per_token), max_model_len=max_model_len,
                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                      dtype=jnp.dtype(dtype).name)
+                      dtype=jnp.dtype(dtype).name, tensor_parallel_size=tp)

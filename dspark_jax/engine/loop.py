@@ -13,6 +13,7 @@ Axis legend: S slots, R rows of a round, G block, T packed tokens, V vocabulary,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -299,6 +300,15 @@ class Engine:
         """The empty state, made by one program (`state.init_state`)."""
         return jax.jit(lambda: init_state(self.target, self.drafter, self.cfg, self.gate_cfg, self.G, self.kv_layout,
                                           self.pages))()
+
+    def _forward_mesh(self):
+        """The engine's mesh made current (`jax.set_mesh`) around the programs that run the target's forward over
+        the page pool ("pages" layout on a mesh), whose attention kernels then run per device (`kernels.per_device`:
+        XLA does not partition a Pallas kernel); else nothing. Those programs always run under it, so each compiles
+        once."""
+        if self.mesh is None or self.kv_layout != "pages":
+            return contextlib.nullcontext()
+        return jax.set_mesh(self.mesh)
 
     def _sync_block_tables(self) -> None:
         """Give the device the host's block tables when an allocation changed them ("pages" layout)."""
@@ -666,10 +676,11 @@ class Engine:
             follow = np.int32(job.prompt[start + n] if start + n < len(job.prompt) else 0)
             args = (self._spec, self._inputs, self.state, chunk, np.int32(slot), np.int32(start), np.int32(n),
                     follow, self._flag(want))
-            if with_context:
-                logits, lp, self.state = programs.write_chunk_context(*args)
-            else:
-                logits, lp, self.state = programs.prefill_program(*args, write_context=self._flag(False))
+            with self._forward_mesh():
+                if with_context:
+                    logits, lp, self.state = programs.write_chunk_context(*args)
+                else:
+                    logits, lp, self.state = programs.prefill_program(*args, write_context=self._flag(False))
             if want:  # entry p reports prompt token start + p + 1
                 chosen, top_ids, top = _to_host(lp)
                 n_report = min(n, len(job.prompt) - start - 1)
@@ -734,10 +745,11 @@ class Engine:
             d = drafts[R] if per_slot > 1 else None
             conf, drafted = self._round_conf(d, R)
             P = self.G + 1 if per_slot > 1 else 2
-            self.state, _ = programs.verify_and_commit(self._round_spec(R, T, per_slot), self._inputs, self.state, d,
-                                                       conf, drafted, scale, drafting=self._flag(False),
-                                                       masks=self._no_mask((R, P, self._mask_words)),
-                                                       constrained=self._flag(False), logprobs=self._flag(False))
+            with self._forward_mesh():
+                self.state, _ = programs.verify_and_commit(
+                    self._round_spec(R, T, per_slot), self._inputs, self.state, d, conf, drafted, scale,
+                    drafting=self._flag(False), masks=self._no_mask((R, P, self._mask_words)),
+                    constrained=self._flag(False), logprobs=self._flag(False))
             if self.cost is not None and R not in gated:
                 gated.add(R)
                 programs.after_round(self._round_spec(R), self._inputs, scale, self.state, np.int32(R),
@@ -828,10 +840,11 @@ class Engine:
         conf, drafted_arr = self._round_conf(d, R)
         # logprobs are computed (and read) only in a round where some request asked for them
         want = bool(self._logprobs) and any(int(self.slot_request[s]) in self._logprobs for s in active_slots)
-        self.state, out = programs.verify_and_commit(self._round_spec(R, T, per_slot), self._inputs, self.state,
-                                                     d if B > n else None, conf, drafted_arr, scale,
-                                                     drafting=self._flag(drafting), masks=mask_arr,
-                                                     constrained=mask_flag, logprobs=self._flag(want))
+        with self._forward_mesh():
+            self.state, out = programs.verify_and_commit(self._round_spec(R, T, per_slot), self._inputs, self.state,
+                                                         d if B > n else None, conf, drafted_arr, scale,
+                                                         drafting=self._flag(drafting), masks=mask_arr,
+                                                         constrained=mask_flag, logprobs=self._flag(want))
         after = (np.float32(np.nan), np.True_, np.float32(np.nan))
         if self.cost is not None and can_draft:  # the next round's gate, decided on the device
             after = programs.after_round(self._round_spec(R), self._inputs, scale, self.state, np.int32(n),

@@ -15,6 +15,13 @@ of KV head ``k``, ``2k + 1`` its value); per round a small metadata set shared b
 
 Precision: products take the cache's dtype as operands with ``preferred_element_type=float32``; softmax and
 accumulation are float32; the pages are never converted to float32 (a bf16 pool stays a bf16 operand).
+
+On a device mesh (the one `jax.set_mesh` made current), XLA cannot partition a Pallas kernel by itself (TPU:
+an error; GPU: its operands, the whole pool included, gathered onto every device), so with ``head_axis`` the
+kernels run per device under `jax.shard_map`: each device attends with its own KV heads (and their query heads)
+over its own share of the pool, split over ``head_axis`` where the KV heads divide by it (else every device
+holds every head), every other mesh axis replicated, as the engine lays the pool out
+(`sharding.paged_cache_axes`). No communication: a device's heads need nothing of another's.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "ragged_paged_attention_xla",
-           "check_inputs", "write_kv", "slot_mapping", "IMPLS"]
+           "per_device", "check_inputs", "write_kv", "slot_mapping", "IMPLS"]
 
 IMPLS = ("auto", "reference", "xla", "tpu", "gpu")
 
@@ -78,7 +86,7 @@ def check_inputs(fn: str, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seq
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
                            cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float | None = None,
                            max_q_per_seq: int | None = None, window: int | None = None, impl: str = "auto",
-                           interpret: bool = False) -> jax.Array:
+                           interpret: bool = False, head_axis: str | None = None) -> jax.Array:
     """Causal attention of packed ragged queries over a paged KV cache, by the implementation for the backend.
 
     Args:
@@ -95,6 +103,9 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
         pages of each block-table row. None: all N pages. The kernels read each sequence's own pages anyway.
       impl: "auto" (TPU: "tpu", GPU: "gpu", CPU: "xla"), "reference", "xla", "tpu" or "gpu".
       interpret: run the Pallas kernel ("tpu", "gpu") in interpret mode.
+      head_axis: the mesh axis the heads of ``q`` and ``kv_pages`` split over on the current mesh
+        (`jax.set_mesh`; e.g. "tensor"): the kernel ("tpu", "gpu") then runs per device under `jax.shard_map`
+        (see the module doc). None, or no mesh of more than one device: called as it is.
 
     Returns:
       [T, H, E] in q's dtype; padding rows are zeros.
@@ -119,10 +130,37 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array
     if impl == "tpu":
         from dspark_jax.kernels.tpu import ragged_paged_attention_tpu
 
-        return ragged_paged_attention_tpu(*args, sm_scale=sm_scale, interpret=interpret)
-    from dspark_jax.kernels.gpu import ragged_paged_attention_gpu
+        kernel = functools.partial(ragged_paged_attention_tpu, sm_scale=sm_scale, interpret=interpret)
+    else:
+        from dspark_jax.kernels.gpu import ragged_paged_attention_gpu
 
-    return ragged_paged_attention_gpu(*args, sm_scale=sm_scale, max_q_per_seq=max_q_per_seq, interpret=interpret)
+        kernel = functools.partial(ragged_paged_attention_gpu, sm_scale=sm_scale, max_q_per_seq=max_q_per_seq,
+                                   interpret=interpret)
+    return per_device(kernel, head_axis)(*args)
+
+
+def per_device(kernel, head_axis: str | None):
+    """``kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)`` run per device of the current mesh
+    (`jax.set_mesh`) under `jax.shard_map`: ``q`` [T, H, E] and ``kv_pages`` [P, ps, 2K, E] split over
+    ``head_axis`` on their head axes where the K KV heads divide by its size (a device's query heads are then
+    those of its KV heads), else whole on every device; the metadata whole; every other mesh axis replicated.
+    The kernel itself where there is no such mesh (none current, one device, or ``head_axis`` None).
+
+    >>> per_device(len, None) is len
+    True
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if head_axis is None or mesh.empty or mesh.size == 1:
+        return kernel
+
+    def run(q, kv_pages, *meta):
+        n = dict(mesh.shape).get(head_axis, 1)
+        heads = head_axis if n > 1 and (kv_pages.shape[2] // 2) % n == 0 else None
+        return jax.shard_map(kernel, mesh=mesh, in_specs=(P(None, heads, None), P(None, None, heads, None),
+                                                          *(P() for _ in meta)),
+                             out_specs=P(None, heads, None), check_vma=False)(q, kv_pages, *meta)
+
+    return run
 
 
 def ragged_paged_attention_reference(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array,

@@ -794,12 +794,18 @@ def _paged_kv_step(cache: PagedKVCache, slots, positions, valid, cfg: LlamaConfi
     kv_lens = jnp.zeros((R,), jnp.int32).at[jnp.where(dest < T, token_seq, R)].max(positions + 1, mode="drop")
     cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_len).astype(jnp.int32)])
     meta = (kv_lens, cache.block_tables[seq_slots], cu_q_lens, jnp.full((1,), R, jnp.int32))
+    # On a device mesh made current (`jax.set_mesh`, as the engine does), a kernel runs per device over the mesh
+    # axis the pool's KV heads split over (`kernels.per_device`; sharding's rules, imported here at call time:
+    # sharding imports this module).
+    from dspark_jax.sharding import RULES  # noqa: PLC0415
+
+    head_axis = RULES.mesh_axis("kv_pairs")
 
     def step(q, k, v, pages):
         pages = kernels.write_kv(pages, k, v, write_at)
         packed = jnp.zeros((T, H, E), pages.dtype).at[dest].set(q.astype(pages.dtype), mode="drop")  # [T, H, E]
         out = kernels.ragged_paged_attention(packed, pages, *meta, sm_scale=E**-0.5, max_q_per_seq=M,
-                                             window=window, impl=impl)
+                                             window=window, impl=impl, head_axis=head_axis)
         return jnp.where((dest < T)[:, None, None], out[jnp.minimum(dest, T - 1)], 0), pages
 
     return list(cache.pages), step
