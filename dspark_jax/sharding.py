@@ -44,8 +44,8 @@ from dspark_jax.models.llama import KVCache, LayerWeights, LlamaConfig, LlamaWei
 __all__ = ["DATA", "TENSOR", "MESH_AXES", "ShardingRules", "RULES", "Axes", "make_mesh", "mesh_shape",
            "add_mesh_arguments", "initialize_distributed", "mesh_from_args", "mesh_of", "table_mesh",
            "check_table_mesh", "spec_for", "place", "target_axes", "kv_cache_axes", "drafter_cache_axes",
-           "paged_cache_axes", "paged_drafter_cache_axes", "kv_pool_units", "drafter_state_axes", "target_units", "place_target_weights", "place_drafter_state", "layout_report",
-           "to_host", "describe_mesh"]
+           "paged_cache_axes", "paged_drafter_cache_axes", "kv_pool_units", "drafter_state_axes", "target_units",
+           "place_target_weights", "place_drafter_state", "layout_report", "to_host", "describe_mesh"]
 
 DATA, TENSOR = "data", "tensor"
 MESH_AXES = (DATA, TENSOR)

@@ -159,6 +159,15 @@ def check_paged_engine(model, d, ps, budgets, ref, ps2, budgets2, ref2) -> dict:
     log("4x2 pages dspark greedy ok")
     out["pages_kernel_on_mesh"] = check_kernel_on_mesh()
     log("paged attention kernel per device ok")
+    from dspark_jax.engine import Engine, EngineConfig
+
+    try:  # the slot layout's prefix store is not laid out on a mesh: required, it is refused
+        Engine(model, None, "none", EngineConfig(num_slots=2, capacity=64, kv_layout="slots",
+                                                 enable_prefix_caching=True), mesh=mesh)
+        out["slots_prefix_cache_refused_on_mesh"] = False
+    except ValueError as err:
+        assert "kv_layout 'pages'" in str(err), err
+        out["slots_prefix_cache_refused_on_mesh"] = True
     return out
 
 

@@ -244,12 +244,12 @@ def test_no_recompilation_on_pages_after_warm_up(model, drafter):
     assert n() == 0
 
 
-def test_auto_layout_is_slots_on_a_cpu_and_pages_on_one_accelerator():
+def test_auto_layout_is_slots_on_a_cpu_and_pages_on_accelerators():
     cfg = eng.EngineConfig()
-    assert cfg.layout_for("cpu", 1) == "slots"
+    assert cfg.layout_for("cpu", 1) == "slots" and cfg.layout_for("cpu", 8) == "slots"
     assert cfg.layout_for("gpu", 1) == "pages" and cfg.layout_for("tpu", 1) == "pages"
-    assert cfg.layout_for("gpu", 8) == "slots"  # a mesh: the slot layout, split by sharding's rules
-    assert eng.EngineConfig(kv_layout="pages").layout_for("cpu", 1) == "pages"
+    assert cfg.layout_for("gpu", 8) == "pages"  # a mesh: the pool split over tensor, replicated over data
+    assert eng.EngineConfig(kv_layout="pages").layout_for("cpu", 8) == "pages"
 
 
 # ---------------------------------------------------------------------------------------------------- precision

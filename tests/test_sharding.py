@@ -126,6 +126,7 @@ def test_engine_on_eight_devices_equals_one_device():
     assert result["sampled_2x4_equals_one_device"] and result["pages_sampled_2x4_equals_one_device"]
     assert result["compiles_after_warm_up"] == 0 and result["pages_compiles_after_warm_up"] == 0
     assert result["pages_prefix_cached_tokens"] > 0  # the mesh's one prefix index served repeated prompts
+    assert result["slots_prefix_cache_refused_on_mesh"]
     layout = result["layout_2x4"]
     assert layout["state.cache.k.0"] == "('data',)"  # 2 slots split; the 2 KV heads replicate at tensor = 4
     assert layout["weights.layers.1.wq"] == "(None, 'tensor')"  # its 4 query heads split
