@@ -16,6 +16,13 @@ import pytest
 
 _CACHE_ENV = "DSPARK_TEST_COMPILATION_CACHE"
 
+# Cheaper CPU code generation for the suite's thousands of small programs (and for the processes it starts, which
+# inherit the variable): LLVM's expensive passes buy nothing for tiny shapes. XLA's own HLO passes, and so every
+# program's computation, are unchanged; set before any backend starts. A caller's own XLA_FLAGS come first.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+
 
 def pytest_configure(config):
     """One persistent compilation cache per test run, shared by the xdist workers: a program that a second

@@ -16,10 +16,9 @@ from dspark_jax import sharding
 from dspark_jax.models.llama import SMOLLM2_135M, LlamaConfig, init_random_weights
 from dspark_jax.sharding import Axes, make_mesh, spec_for
 
+from tests.conftest import FAST_COMPILE  # compilation dominates the checks: the suite's cheaper code generation
+
 ROOT = Path(__file__).resolve().parents[1]
-# Compilation dominates these checks on a 2-core host: XLA's cheaper optimisation level (both sides of every
-# comparison run in the same process, under the same flags).
-FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
 class FakeMesh:
