@@ -50,3 +50,39 @@ def test_parse_calls():
     content, calls = parse_calls(auto, 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 3}}\n</tool_call>')
     assert content == "Sure." and calls[0]["function"]["name"] == "f"
     assert parse_calls(auto, "no call") == ("no call", [])
+
+
+# What Llama 3.1's template writes (its tool instruction and an earlier turn's calls with ``tojson``), shortened.
+LLAMA31 = ('{%- if tools %}Given the following functions, please respond with a JSON for a function call with its '
+           'proper arguments that best answers the given prompt.\nRespond in the format {"name": function name, '
+           '"parameters": dictionary of argument name and its value}.{% endif %}'
+           '{%- for m in messages %}{%- if m.tool_calls %}{%- for c in m.tool_calls %}<|python_tag|>'
+           '{{- \'{"name": "\' + c.function.name + \'", "parameters": \' }}{{- c.function.arguments | tojson }}'
+           '{{- "}" }}{%- endfor %}{%- else %}{{ m.content }}{%- endif %}{%- endfor %}')
+
+
+def test_llama3_json_calls():
+    """``auto`` with a Llama 3.1 template: an answer that is JSON calls (after an optional ``<|python_tag|>``,
+    several separated by ``;``) becomes tool_calls; anything else stays text; an earlier turn's arguments reach the
+    template as an object, so its ``tojson`` writes them once."""
+    from dspark_jax.chat_template import render_chat_template
+    from dspark_jax.serve.tools import call_syntax, template_turn_calls
+
+    auto = plan_tools(TOOLS, "auto", None, LLAMA31)
+    assert auto.mode == "auto" and auto.syntax == "llama3_json" and call_syntax(HERMES) == "hermes"
+    content, calls = parse_calls(auto, '{"name": "f", "parameters": {"x": 3}}')
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"x": 3}
+    content, calls = parse_calls(auto, '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", '
+                                       '"parameters": {}}')
+    assert content is None and [c["function"]["name"] for c in calls] == ["f", "g"]
+    for text in ('The answer is {"x": 1}', '{"x": 1}', '{"name": "f", "parameters": {"x": 1}} and more',
+                 '{"name": "f", "param', "Hello."):
+        assert parse_calls(auto, text) == (text, []), text
+    turn = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 3}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]}
+    given = template_turn_calls(turn["tool_calls"])
+    assert given[0]["function"]["arguments"] == {"x": 3} and given[1]["function"]["arguments"] == "not json"
+    assert turn["tool_calls"][0]["function"]["arguments"] == '{"x": 3}'  # the request's own turn is not changed
+    text = render_chat_template(LLAMA31, [{**turn, "tool_calls": given[:1]}])
+    assert '<|python_tag|>{"name": "f", "parameters": {"x": 3}}' in text

@@ -64,7 +64,7 @@ from starlette.requests import ClientDisconnect
 
 from dspark_jax.engine import MAX_SEED, SamplingParams
 from dspark_jax.grammar import grammar_tokenizer
-from dspark_jax.serve.tools import ToolError, calls_as_text, parse_calls, plan_tools
+from dspark_jax.serve.tools import ToolError, calls_as_text, parse_calls, plan_tools, template_turn_calls
 from dspark_jax.sampling import MAX_LOGPROBS
 from dspark_jax.serve.logprobs import LogprobFormat, text_offsets
 from dspark_jax.serve.worker import EngineWorker, Event, GenerationRequest, QueueFull, ShuttingDown, prometheus_text
@@ -820,7 +820,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, *, api_key: str
                 turn["name"] = m.name
             if m.tool_calls and role == "assistant":  # the template's own syntax, or this server's JSON as text
                 if in_template:
-                    turn["tool_calls"] = m.tool_calls
+                    turn["tool_calls"] = template_turn_calls(m.tool_calls)
                 else:
                     turn["content"] = (content + "\n" if content else "") + calls_as_text(m.tool_calls)
             if m.tool_call_id is not None and role == "tool" and in_template:

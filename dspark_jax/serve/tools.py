@@ -8,8 +8,10 @@ the answer parsed into OpenAI ``tool_calls``.
   a JSON value valid for its parameters.
 - ``"none"``: no call; the tools are still shown to the model, as OpenAI does.
 - ``"auto"`` (the default with tools): only where the chat template renders ``tools`` and writes calls in a syntax
-  parsed here, Hermes' ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (Qwen2.5, Qwen3, Hermes);
-  refused by name (400) elsewhere.
+  parsed here (`SYNTAXES`): Hermes' ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (Qwen2.5, Qwen3,
+  Hermes), or Llama 3.1-3.3's JSON calls, an answer that is ``{"name": ..., "parameters": ...}`` (several
+  separated by ``;``, after an optional ``<|python_tag|>``), as vLLM's ``llama3_json`` parser reads them; refused
+  by name (400) elsewhere.
 
 Where the template does not render ``tools`` (SmolLM2's), the tools go into a default system message
 (`TOOL_SYSTEM`), appended to the conversation's own system message when it has one. Earlier turns: an assistant
@@ -24,13 +26,17 @@ import re
 import uuid
 from typing import Any, Sequence
 
-__all__ = ["TOOL_SYSTEM", "ToolPlan", "plan_tools", "parse_calls", "renders_tools", "calls_as_text"]
+__all__ = ["TOOL_SYSTEM", "SYNTAXES", "ToolPlan", "plan_tools", "parse_calls", "renders_tools", "call_syntax",
+           "calls_as_text", "template_turn_calls"]
 
 TOOL_SYSTEM = ("You can call the following functions. Their arguments follow these JSON schemas:\n{tools}\n"
                "To call functions, answer with JSON only: a list of calls, each "
                '{{"name": <function name>, "arguments": <an object of its arguments>}}.')
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_PYTHON_TAG = "<|python_tag|>"
+# The syntaxes ``auto`` parses, each recognised by what its chat template writes.
+SYNTAXES = ("hermes", "llama3_json")
 
 
 class ToolError(ValueError):
@@ -46,16 +52,33 @@ def renders_tools(template: str | None) -> bool:
     return template is not None and re.search(r"\btools\b", template) is not None
 
 
-def _hermes(template: str | None) -> bool:
-    return template is not None and "<tool_call>" in template
+def call_syntax(template: str | None) -> str | None:
+    """The tool-call syntax a chat template teaches its model (one of `SYNTAXES`), None for none parsed here:
+    ``hermes`` where it writes ``<tool_call>``; ``llama3_json`` where it asks for Llama 3.1's JSON calls (its
+    ``<|python_tag|>`` or its ``"parameters": dictionary of argument name`` instruction).
+
+    >>> call_syntax("{{ tools }}<tool_call>"), call_syntax('{"name": function name, "parameters": dictionary of '
+    ...     'argument name and its value}'), call_syntax("{{ messages }}")
+    ('hermes', 'llama3_json', None)
+    """
+    if template is None:
+        return None
+    if "<tool_call>" in template:
+        return "hermes"
+    if _PYTHON_TAG in template or '"parameters": dictionary of argument name' in template:
+        return "llama3_json"
+    return None
 
 
 class ToolPlan:
     """What a request's tools do: ``mode`` (``none``, ``auto``, ``required``, ``named``), the tools, the JSON schema
-    that forces the answer (None for ``none`` and ``auto``) and whether the template renders the tools."""
+    that forces the answer (None for ``none`` and ``auto``), whether the template renders the tools and, for
+    ``auto``, the call syntax parsed from the answer (`SYNTAXES`)."""
 
-    def __init__(self, mode: str, tools: list[dict], schema: dict | None, in_template: bool, name: str | None = None):
+    def __init__(self, mode: str, tools: list[dict], schema: dict | None, in_template: bool, name: str | None = None,
+                 syntax: str | None = None):
         self.mode, self.tools, self.schema, self.in_template, self.name = mode, tools, schema, in_template, name
+        self.syntax = syntax
 
     def messages(self, turns: list[dict]) -> tuple[list[dict], dict]:
         """The conversation and the template's keyword arguments: ``tools`` for a template that renders them, else
@@ -119,11 +142,13 @@ def plan_tools(tools: Any, tool_choice: Any, parallel: bool | None, template: st
         schema = one if parallel is False else {"type": "array", "items": one, "minItems": 1}
         return ToolPlan("required", checked, schema, in_template)
     if choice == "auto":
-        if not (in_template and _hermes(template)):
-            raise ToolError("tool_choice", "tool_choice: 'auto' needs a chat template that renders tools and writes "
-                                           "calls as <tool_call>...</tool_call>; this model's does not (use "
-                                           "'required', a named function or 'none')", code="unsupported_parameter")
-        return ToolPlan("auto", checked, None, in_template)
+        syntax = call_syntax(template) if in_template else None
+        if syntax is None:
+            raise ToolError("tool_choice", "tool_choice: 'auto' needs a chat template that renders tools and teaches "
+                                           "a call syntax parsed here (Hermes' <tool_call>...</tool_call> or Llama "
+                                           "3.1's JSON calls); this model's does not (use 'required', a named "
+                                           "function or 'none')", code="unsupported_parameter")
+        return ToolPlan("auto", checked, None, in_template, syntax=syntax)
     raise ToolError("tool_choice", f"tool_choice: expected 'none', 'auto', 'required' or a named function, got "
                                    f"{choice!r}")
 
@@ -133,10 +158,43 @@ def _call(name: str, arguments: Any) -> dict:
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
+def _json_call(text: str) -> dict | None:
+    """An OpenAI call from one JSON call (``name`` and ``arguments`` or Llama's ``parameters``), None if it is not."""
+    try:
+        c = json.loads(text)
+        return _call(c["name"], c.get("arguments", c.get("parameters", {})))
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
+def _llama3_json_calls(text: str) -> list[dict]:
+    """Llama 3.1's calls: the whole answer (after an optional ``<|python_tag|>``) is JSON calls separated by ``;``;
+    anything else is no call (the answer stays text)."""
+    body = text.strip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG):].lstrip()
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            value, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return []
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return []
+        call = _json_call(json.dumps(value))
+        if call is None:
+            return []
+        calls.append(call)
+        at = end
+        while at < len(body) and body[at] in " \t\n;":
+            at += 1
+    return calls
+
+
 def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     """The answer's (content, tool_calls) under ``plan``: the forced modes parse the whole text (the grammar made
-    it valid; an answer cut by its budget gives no call), ``auto`` takes Hermes' ``<tool_call>`` blocks out of the
-    text (blocks that are not a JSON call stay text)."""
+    it valid; an answer cut by its budget gives no call); ``auto`` takes Hermes' ``<tool_call>`` blocks out of the
+    text (blocks that are not a JSON call stay text), or reads a Llama 3.1 answer that is JSON calls (else text)."""
     if plan.mode in ("required", "named"):
         try:
             value = json.loads(text)
@@ -146,13 +204,14 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
             return None, [_call(plan.name, value)]
         calls = value if isinstance(value, list) else [value]
         return None, [_call(c["name"], c["arguments"]) for c in calls]
+    if plan.mode == "auto" and plan.syntax == "llama3_json":
+        calls = _llama3_json_calls(text)
+        return (None, calls) if calls else (text, [])
     if plan.mode == "auto":
         calls, rest, at = [], [], 0
         for m in _HERMES.finditer(text):
-            try:
-                c = json.loads(m.group(1))
-                call = _call(c["name"], c.get("arguments", c.get("parameters", {})))
-            except (json.JSONDecodeError, KeyError, TypeError):
+            call = _json_call(m.group(1))
+            if call is None:
                 continue
             rest.append(text[at: m.start()])
             at = m.end()
@@ -175,3 +234,22 @@ def calls_as_text(tool_calls: Sequence[dict]) -> str:
             pass
         out.append({"name": f.get("name"), "arguments": args})
     return json.dumps(out, ensure_ascii=False)
+
+
+def template_turn_calls(tool_calls: Sequence[dict]) -> list[dict]:
+    """An earlier assistant turn's calls for a template that renders them: each call's ``arguments`` string parsed to
+    the object it holds (as vLLM gives templates; Llama 3.1's writes them with ``tojson``, which would quote a
+    string again), a string that is not a JSON object kept as it is."""
+    out = []
+    for c in tool_calls:
+        f = c.get("function")
+        args = f.get("arguments") if isinstance(f, dict) else None
+        if isinstance(args, str):
+            try:
+                value = json.loads(args)
+            except json.JSONDecodeError:
+                value = None
+            if isinstance(value, dict):
+                c = {**c, "function": {**f, "arguments": value}}
+        out.append(c)
+    return out
