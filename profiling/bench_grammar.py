@@ -73,12 +73,12 @@ def run(engine, prompts, grammars, max_tokens: int) -> dict[str, float]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
-    p.add_argument("--quick", action="store_true", help="users 1 and 4, 32 tokens, the dspark policy only")
+    p.add_argument("--quick", action="store_true", help="one user, 16 tokens, the dspark policy only")
     p.add_argument("--json", type=writable_file, help="write the rows here (checked before the benchmark)")
     p.add_argument("--policies", default="none,dspark", help="comma-separated engine policies")
     p.add_argument("--users", default="1,16", help="comma-separated loads (requests at once)")
     p.add_argument("--max-tokens", type=positive_int, default=96, help="answer budget per request")
-    args = parse_with_quick(p, argv, users="1,4", max_tokens=32, policies="dspark")
+    args = parse_with_quick(p, argv, users="1", max_tokens=16, policies="dspark")
 
     target = load_target(args.model, dtype=args.dtype)
     tok = target.tokenizer

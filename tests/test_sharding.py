@@ -115,24 +115,35 @@ def _run(args, devices, timeout, env_extra=None):
 def test_engine_on_eight_devices_equals_one_device():
     """Meshes 1x8, 2x4, 4x2, 8x1: greedy dspark output equals plain decoding on one device (on 2x4 every
     policy); sampled dspark on 2x4 draws the single-device engine's samples; no compilation after warm-up;
-    the same for the "pages" KV layout on 2x4 (with prefix-cache hits) and greedy dspark with pages on 4x2;
     sampled dspark output on a 1x2 mesh follows the target's law (exact enumeration, chi-square)."""
     result = _run(["engine"], 8, timeout=900)
     policies = ("none", "fixed:2", "threshold:0.3", "dspark", "dspark-async")
-    assert set(result["greedy"]) == {"1x8 dspark", "4x2 dspark", "8x1 dspark", "4x2 pages dspark",
-                                     *(f"2x4 {p}" for p in policies), *(f"2x4 pages {p}" for p in policies)}
+    assert set(result["greedy"]) == {"1x8 dspark", "4x2 dspark", "8x1 dspark", *(f"2x4 {p}" for p in policies)}
     assert all(result["greedy"].values())
-    assert result["sampled_2x4_equals_one_device"] and result["pages_sampled_2x4_equals_one_device"]
-    assert result["compiles_after_warm_up"] == 0 and result["pages_compiles_after_warm_up"] == 0
-    assert result["pages_prefix_cached_tokens"] > 0  # the mesh's one prefix index served repeated prompts
-    assert result["slots_prefix_cache_refused_on_mesh"]
+    assert result["sampled_2x4_equals_one_device"]
+    assert result["compiles_after_warm_up"] == 0
     layout = result["layout_2x4"]
     assert layout["state.cache.k.0"] == "('data',)"  # 2 slots split; the 2 KV heads replicate at tensor = 4
     assert layout["weights.layers.1.wq"] == "(None, 'tensor')"  # its 4 query heads split
     assert layout["weights.layers.0.w_gate"] == "(None, 'tensor')"
     assert layout["weights.embed"] == "('tensor',)"
-    # pages: the pools are replicated over data (here over tensor too: 2 KV heads at tensor = 4), the block
-    # tables split with the slots; at 4x2 the pools split over tensor in whole KV heads
+    assert result["law"]["chi2"] < result["law"]["critical"]
+
+
+def test_paged_engine_on_eight_devices_equals_one_device():
+    """The "pages" KV layout on 2x4: every policy's greedy output equals plain decoding, with prefix-cache hits
+    (one index for the mesh) and no compilation after warm-up; sampled dspark draws the single-device paged
+    engine's samples; greedy dspark with pages on 4x2 (the pools split over tensor); the paged attention kernel
+    per device; the slot layout's prefix store refused on a mesh."""
+    result = _run(["paged"], 8, timeout=900)
+    policies = ("none", "fixed:2", "threshold:0.3", "dspark", "dspark-async")
+    assert set(result["greedy"]) == {"4x2 pages dspark", *(f"2x4 pages {p}" for p in policies)}
+    assert all(result["greedy"].values())
+    assert result["pages_sampled_2x4_equals_one_device"] and result["pages_compiles_after_warm_up"] == 0
+    assert result["pages_prefix_cached_tokens"] > 0  # the mesh's one prefix index served repeated prompts
+    assert result["slots_prefix_cache_refused_on_mesh"]
+    # the pools are replicated over data (here over tensor too: 2 KV heads at tensor = 4), the block tables split
+    # with the slots; at 4x2 the pools split over tensor in whole KV heads
     pages = result["layout_2x4_pages"]
     assert pages["state.cache.pages.0"] == "()" and pages["state.dcache.k"] == "()"
     assert pages["state.cache.block_tables"] == "('data',)" and pages["state.cache.lengths"] == "('data',)"
@@ -142,7 +153,6 @@ def test_engine_on_eight_devices_equals_one_device():
     assert pages["state.cache.block_tables"] == "('data',)"
     kernel = result["pages_kernel_on_mesh"]  # the paged attention kernel per device: no collective where heads split
     assert kernel["4x2"] == {"heads_split": True, "collectives": []} and not kernel["2x4"]["heads_split"]
-    assert result["law"]["chi2"] < result["law"]["critical"]
 
 
 def test_data_parallel_rounds_move_no_cache_between_devices(tmp_path):
