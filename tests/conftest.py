@@ -106,3 +106,19 @@ def hf_model(gguf_path):
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny random target of the engine tests (`tests.test_engine.make_model`), one per module."""
+    from tests.test_engine import make_model
+
+    return make_model()
+
+
+@pytest.fixture(scope="module")
+def drafter(model):
+    """A tiny drafter for ``model`` (`tests.test_engine.make_drafter`), one per module."""
+    from tests.test_engine import make_drafter
+
+    return make_drafter(model)

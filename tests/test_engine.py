@@ -35,16 +35,6 @@ def make_drafter(model, head="markov", confidence=True, seed=0, block=4):
     return d
 
 
-@pytest.fixture(scope="module")
-def model():
-    return make_model()
-
-
-@pytest.fixture(scope="module")
-def drafter(model):
-    return make_drafter(model)
-
-
 def prompts(n, seed=0, vocab=64):
     rng = np.random.default_rng(seed)
     return [rng.integers(1, vocab, size=rng.integers(2, 18)).tolist() for _ in range(n)]

@@ -7,19 +7,9 @@ import pytest
 from dspark_jax import engine as eng
 from dspark_jax.cache.prefix import PrefixStore
 from dspark_jax.decoding import plain_generate
-from tests.test_engine import SPS, make_drafter, make_model
+from tests.test_engine import SPS
 
 LAYOUTS = ["slots", "pages"]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return make_model()
-
-
-@pytest.fixture(scope="module")
-def drafter(model):
-    return make_drafter(model)
 
 
 def conversations(n, turns, *, system=20, seed=0, vocab=64):

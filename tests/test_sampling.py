@@ -15,16 +15,6 @@ from tests.test_engine import make_drafter, make_model, prompts
 SPS = np.linspace(10.0, 1.0, 48).astype(np.float32)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return make_model()
-
-
-@pytest.fixture(scope="module")
-def drafter(model):
-    return make_drafter(model)
-
-
 def numpy_top_p(p, top_p):
     """Reference nucleus: most likely first (lower id on ties), keep while the mass before is below top_p."""
     order = sorted(range(len(p)), key=lambda i: (-p[i], i))
