@@ -201,11 +201,12 @@ def test_streaming_gives_the_logprobs_of_the_answer(servers):
     streamed = [t for p in parts for t in p.content]
     assert text == whole.choices[0].message.content
     # the second request takes the first one's prompt pages from the prefix cache and prefills the rest in
-    # another chunk shape: the same tokens, values equal to float32 rounding
+    # another chunk shape: the same tokens, values equal to float32 rounding over a 49152-token log-softmax
+    # (1e-4, the tolerance between policies)
     same = [t.model_dump() for t in whole.choices[0].logprobs.content]
     got = [t.model_dump() for t in streamed]
     assert [t["token"] for t in got] == [t["token"] for t in same]
-    np.testing.assert_allclose([t["logprob"] for t in got], [t["logprob"] for t in same], atol=1e-5)
+    np.testing.assert_allclose([t["logprob"] for t in got], [t["logprob"] for t in same], atol=1e-4)
     assert [[a["token"] for a in t["top_logprobs"]] for t in got] == [[a["token"] for a in t["top_logprobs"]]
                                                                       for t in same]
     prompt = "The capital of France is"
@@ -214,7 +215,7 @@ def test_streaming_gives_the_logprobs_of_the_answer(servers):
     assert text == whole.text
     for field in ("tokens", "text_offset"):
         assert [x for p in parts for x in getattr(p, field)] == getattr(whole.logprobs, field), field
-    np.testing.assert_allclose([x for p in parts for x in p.token_logprobs], whole.logprobs.token_logprobs, atol=1e-5)
+    np.testing.assert_allclose([x for p in parts for x in p.token_logprobs], whole.logprobs.token_logprobs, atol=1e-4)
     assert [sorted(x) for p in parts for x in p.top_logprobs] == [sorted(x) for x in whole.logprobs.top_logprobs]
 
 

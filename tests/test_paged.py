@@ -19,7 +19,7 @@ from dspark_jax.models import drafter as dr
 from dspark_jax.models.llama import (LlamaConfig, LlamaModel, decode_step, forward_packed, init_cache,
                                      init_paged_cache, init_random_weights, prefill)
 from tests.helpers import assert_follows_law, count_compilations
-from tests.test_engine import POLICIES, SPS, drafter, exact_joint, make_drafter, make_model, model, prompts  # noqa: F401
+from tests.test_engine import POLICIES, SPS, exact_joint, make_drafter, make_model, prompts
 
 
 # ---------------------------------------------------------------------------------------------------- the pool
