@@ -17,10 +17,10 @@ positions, 33 verification programs and 7 draft programs): the attention reads t
 round's longest context (`llama.over_context`), a round whose requests are all greedy skips the sampling work
 under ``lax.cond``, and a round where no request has the drafter's context skips its context write and the gate.
 Between the two the host reads one scalar, the batch size B, to pick the token bucket T (the shape of the
-second program); everything else stays on the device. With the ``dspark`` policies a small program after the
-second decides whether drafting will pay in the next round for the same requests (the drafter gate,
-`dspark_jax.gate`: the engine only calls its pure functions and keeps its state); when it will
-not and nobody joined, the next round skips the first program and its host read: a plain round of a
+second program); everything else stays on the device. With the ``dspark`` policies the second program also
+decides, on the state it commits, whether drafting will pay in the next round for the same requests (the drafter
+gate, `dspark_jax.gate`: the engine only calls its pure functions and keeps its state; its answer comes back in
+the round's one host read); when it will not and nobody joined, the next round skips the first program and its host read: a plain round of a
 drafting engine costs a plain round plus the drafter's context update. Where the gate's estimate stays below
 its bar long enough at a load, the drafter is switched off there (``EngineConfig.drafter_off_after``): the
 requests drop their context and the rounds are plain decoding's, until a retry. The host only

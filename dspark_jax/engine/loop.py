@@ -3,9 +3,9 @@ token budget, grammars, logprobs), runs each round's programs (`programs`) and c
 
 A round runs as two jitted programs with static shapes (`programs.draft_and_schedule`, then
 `programs.verify_and_commit`); between the two the host reads one scalar, the batch size B, to pick the token
-bucket T. With the ``dspark`` policies `programs.after_round` decides whether drafting will pay in the next
-round for the same requests; when it will not and nobody joined, the next round skips the first program and its
-host read. The host only admits new requests and collects finished ones (see the package's docstring for the
+bucket T. With the ``dspark`` policies the verification program also decides whether drafting will pay in the
+next round for the same requests; when it will not and nobody joined, the next round skips the first program and
+its host read. The host only admits new requests and collects finished ones (see the package's docstring for the
 whole picture).
 
 Axis legend: S slots, R rows of a round, G block, T packed tokens, V vocabulary, W draft vocabulary.
@@ -736,7 +736,6 @@ class Engine:
             self.state = self.state.replace(cache=cache, dcache=dcache)
         scale = self._time_scale_dev
         drafts: dict[int, DraftOut | None] = {}
-        gated: set[int] = set()
         shapes = self.round_shapes()
         for R, T, per_slot in shapes:
             if R not in drafts:
@@ -750,10 +749,6 @@ class Engine:
                     self._round_spec(R, T, per_slot), self._inputs, self.state, d, conf, drafted, scale,
                     drafting=self._flag(False), masks=self._no_mask((R, P, self._mask_words)),
                     constrained=self._flag(False), logprobs=self._flag(False))
-            if self.cost is not None and R not in gated:
-                gated.add(R)
-                programs.after_round(self._round_spec(R), self._inputs, scale, self.state, np.int32(R),
-                                     np.int32(0), np.int32(R), drafted)
         # The drafter gate's state starts afresh (warm-up rounds had no requests).
         self.state = self.state.replace(gate=self._init_gate())
         self._gate_closed = False
@@ -845,13 +840,13 @@ class Engine:
                                                          d if B > n else None, conf, drafted_arr, scale,
                                                          drafting=self._flag(drafting), masks=mask_arr,
                                                          constrained=mask_flag, logprobs=self._flag(want))
-        after = (np.float32(np.nan), np.True_, np.float32(np.nan))
-        if self.cost is not None and can_draft:  # the next round's gate, decided on the device
-            after = programs.after_round(self._round_spec(R), self._inputs, scale, self.state, np.int32(n),
-                                         np.int32(longest), np.int32(B), drafted_arr)
         # the round's one blocking read (the draft program's token count aside)
-        (emitted, counts, finished, accepted, new_len, lp), (predicted, next_gate, gain), drafted = _to_host(
-            (out if want else out._replace(logprobs=None), after, d.drafted if d is not None else np.False_))
+        out, drafted = _to_host((out if want else out._replace(logprobs=None),
+                                 d.drafted if d is not None else np.False_))
+        emitted, counts, finished, accepted, new_len, lp = out[:6]
+        # the next round's gate, decided on the device where every request has the drafter's context
+        predicted, next_gate, gain = ((out.predicted, out.next_gate, out.gain) if self.cost is not None and can_draft
+                                      else (np.float32(np.nan), np.True_, np.float32(np.nan)))
         drafted = bool(drafted)
         self._gate_closed = not bool(next_gate)
         if self._may_drop_context:

@@ -10,7 +10,8 @@ A round runs as two programs with static shapes:
    (or the argmax at temperature 0), commit the accepted prefix to the target cache and the drafter's context
    cache, and emit tokens;
 
-and, with a cost model, `after_round` decides the drafter gate of the next round. Admission runs
+and, with a cost model, `verify_and_commit` also decides the drafter gate of the next round on the state it
+commits (one program and one host read a round besides the draft program's token count). Admission runs
 `prefill_program` (`write_chunk_context` with the drafter's context) per prompt chunk, `sample_first` for the
 first token, `admit_slot` and `free_slot`.
 
@@ -38,7 +39,7 @@ from dspark_jax.sampling import MAX_LOGPROBS, categorical, logprobs_at, safe_log
 from dspark_jax.sps import plain_sps_from_cost, sps_from_cost
 
 __all__ = ["DraftOut", "RoundOut", "Logprobs", "prefill_program", "write_chunk_context", "sample_first",
-           "free_slot", "admit_slot", "after_round", "draft_and_schedule", "verify_and_commit"]
+           "free_slot", "admit_slot", "draft_and_schedule", "verify_and_commit"]
 
 
 class DraftOut(NamedTuple):
@@ -62,6 +63,12 @@ class RoundOut(NamedTuple):
     accepted: jax.Array  # int32 [R] accepted drafts
     new_lengths: jax.Array  # int32 [R] committed tokens after the round
     logprobs: "Logprobs"  # of the emitted tokens, per row and column [R, Gv + 1] (zeros unless asked for)
+    # With a cost model and the drafter's context (else nan, True, nan): the cost model's time for this round
+    # (seconds, float32 []: the host compares it with the measured one), whether the drafter gate opens for the
+    # next round (bool []) and the gain its estimate expects (float32 []), from `gate.decide` on the new state.
+    predicted: jax.Array
+    next_gate: jax.Array
+    gain: jax.Array
 
 
 class Logprobs(NamedTuple):
@@ -193,23 +200,19 @@ def _device_rows(active, R):
     return rows, active[rows]
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def after_round(spec: RoundSpec, inputs: RoundInputs, time_scale, state: EngineState, n_active, longest,
-                batch_tokens, drafted):
-    """After a round, on the committed state: the cost model's time for the round that just ran (drafting or
-    plain, with ``n_active`` requests whose longest held ``longest`` tokens; the host compares it with the
-    measured time) and the drafter gate of the next round for the requests still active (`gate.decide`, so
-    the host can skip the draft program): (predicted seconds, opens, gain). One small program per row bucket
-    (``spec.rows``), run where the cost model prices the next round."""
+def _next_gate(spec: RoundSpec, inputs: RoundInputs, time_scale, state: EngineState, n_active, longest, drafted):
+    """After a round, on the committed state: the cost model's time for the round that just ran (drafting at the
+    round's token bucket ``spec.tokens``, or plain, with ``n_active`` requests whose longest held ``longest``
+    tokens) and the drafter gate of the next round for the requests still active (`gate.decide`, so the host can
+    skip the draft program): (predicted seconds, opens, gain)."""
     cost = inputs.cost
     n_active = jnp.maximum(n_active, 1)
     sps = sps_from_cost(cost, n_active, longest)
-    predicted = jnp.where(drafted, 1.0 / sps[jnp.clip(scheduler.padded_batch(batch_tokens, BUCKETS), 0,
-                                                      sps.shape[0] - 1)],
+    predicted = jnp.where(drafted, 1.0 / sps[min(spec.tokens, sps.shape[0] - 1)],
                           1.0 / plain_sps_from_cost(cost, n_active, longest)).astype(jnp.float32)
     rows, row_valid = _device_rows(state.active, spec.rows)
     opens, _, gain = gate.decide(state.gate, spec.gate, cost, rows, row_valid, state.cache.lengths[rows], time_scale)
-    return predicted, opens, gain
+    return predicted, opens, gain.astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -295,6 +298,8 @@ def verify_and_commit(spec: RoundSpec, inputs: RoundInputs, state: EngineState, 
     Where ``logprobs`` (bool []), the emitted tokens' raw logprobs and top alternatives (`sampling.logprobs_at`
     over the packed logits, gathered to rows: `Logprobs` [R, Gv + 1]); zeros otherwise (skipped under
     ``lax.cond``). They only read the logits: the tokens are the same either way.
+    With a cost model (``inputs.cost``, the dspark policies) and ``drafting``, the round's predicted time and the
+    next round's gate (`gate.decide` on the committed state) come back in `RoundOut` (nan, True, nan otherwise).
     """
     R, T, G, per_slot = spec.rows, spec.tokens, spec.block, spec.per_slot
     rows, row_valid = _device_rows(state.active, R)
@@ -402,5 +407,12 @@ def verify_and_commit(spec: RoundSpec, inputs: RoundInputs, state: EngineState, 
         generated=state.generated.at[write].add(counts, mode="drop"),
         active=state.active.at[write].set(~finished, mode="drop"),
     )
-    out = RoundOut(emitted, counts, finished, n_acc.astype(jnp.int32), new_len.astype(jnp.int32), lp)
+    unknown = (jnp.float32(jnp.nan), jnp.bool_(True), jnp.float32(jnp.nan))
+    after = unknown
+    if inputs.cost is not None and inputs.dstate is not None:  # the next round's gate, where a request drafts
+        n_active = jnp.sum(row_valid, dtype=jnp.int32)
+        longest = jnp.max(jnp.where(row_valid, ctx_len, 0))
+        after = jax.lax.cond(drafting, lambda: _next_gate(spec, inputs, time_scale, new_state, n_active, longest,
+                                                          drafted), lambda: unknown)
+    out = RoundOut(emitted, counts, finished, n_acc.astype(jnp.int32), new_len.astype(jnp.int32), lp, *after)
     return new_state, out
