@@ -15,13 +15,14 @@ Tables and engines:
 
 * `SPSTable` (from measured arrays, to the dense array the scheduler reads), `load_sps_table`;
 * `Engine`, `EngineConfig`, `SamplingParams`: continuous batching over slots with the jitted rounds, each
-  request with its own sampling;
+  request with its own sampling; `GateConfig` (``EngineConfig.gate``): the ``dspark`` policies' drafter gate;
 * `load_target` (a GGUF file or a Hugging Face folder), `load_drafter_for`, `build_engine`.
 """
 
 from dspark_jax.build import build_engine, load_drafter_for, load_target
 from dspark_jax.calibration import STSSets, apply_sts, fit_sts, fit_sts_bias, sts_for_rows
 from dspark_jax.engine import Engine, EngineConfig, SamplingParams
+from dspark_jax.gate import GateConfig
 from dspark_jax.scheduler import (Schedule, capacity, schedule, schedule_checked, sps_lookup, survival_probs,
                                   top_k_lengths)
 from dspark_jax.sps import SPSTable, load_sps_table
@@ -34,6 +35,6 @@ __all__ = [
     "speculative_accept", "greedy_accept", "greedy_accept_tokens",
     "fit_sts", "fit_sts_bias", "apply_sts", "STSSets", "sts_for_rows",
     "SPSTable", "load_sps_table",
-    "Engine", "EngineConfig", "SamplingParams",
+    "Engine", "EngineConfig", "SamplingParams", "GateConfig",
     "load_target", "load_drafter_for", "build_engine",
 ]

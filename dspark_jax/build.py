@@ -181,7 +181,7 @@ def build_engine(target: LlamaModel, policy: str = "dspark", *, draft: str | Pat
         which gets the rest (`cache.plan.plan_memory`, per device of a tensor-parallel group on a mesh; at most
         every slot at full capacity).
       **config: any other `EngineConfig` field (``kv_layout``, ``block_size``, ``num_pages``,
-        ``max_num_batched_tokens``, ...).
+        ``max_num_batched_tokens``, ``gate``: a `gate.GateConfig`, ...).
 
     With a target and a drafter of one's own (here tiny and random), speculative decoding gives exactly the
     plain greedy output:

@@ -50,23 +50,48 @@ def _is_share(x, lo_open: bool = True) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class GateConfig:
-    """The gate's static settings (frozen and hashable: a static argument of jitted programs).
+    """The gate's static settings (frozen and hashable: a static argument of jitted programs); an engine takes
+    them as `EngineConfig.gate`, where they act with the ``dspark`` policies only.
 
     Attributes:
-      probe_every: a closed gate drafts anyway (a probe, refreshing its estimates) after at least this many
-        skipped rounds (integer >= 1) ...
+      probe_every: a closed gate drafts anyway (a probe, refreshing its estimates, which move only in drafted
+        rounds) after at least this many skipped rounds (integer >= 1) ...
       probe_budget: ... and after at least as many as keep the probes' expected loss under this share of
-        the time (> 0; inf: every ``probe_every`` rounds).
+        the time (> 0; inf: every ``probe_every`` rounds). A probe's expected loss is a drafting round's time
+        times the share of plain decoding's throughput it is expected to lose (from the cost model and the same
+        estimates): near break-even a probe costs little and comes often; at high load a probe loses most of
+        a round that costs several plain ones, so it comes rarely. Either way the decision is made from
+        counters and earlier rounds alone, so probes keep the output lossless.
       margin: draft only when the estimate beats plain decoding's throughput by ``1 + margin`` (finite, >= 0).
-      fill: price the drafting round at the padded batch with the schedule filled to it
-        (`scheduler.fill_to_bucket`), as the engine runs it.
-      off_after: request-rounds in a row below the bar at one load before the drafter is switched off there
-        (integer >= 1; None: never) ...
-      off_requests: ... from at least this many distinct requests, each counting at most
-        ``ceil(off_after / off_requests)`` of its rounds (integer >= 1): a busy engine decides within a few
-        rounds, an idle one needs several answers' evidence, never one long answer's.
-      off_retry: rounds with the drafter off at a load before it is tried there again (integer >= 1).
-      calibrate_times: fold measured round times into the cost model's (`observe_round`); False ignores them.
+        The cost model's drafting/plain ratio moves by up to ~10% between measurements on a shared 2-core host,
+        and the per-request confidence averages are noisy, so a gate that opens on any expected gain opens on
+        estimates that are too high (docs/design.md, the drafter gate). 0 trusts the estimates as they are.
+      fill: extend each round's schedule with the next-ranked drafts up to the padded batch the verification
+        runs anyway (`scheduler.fill_to_bucket`, lossless), and price the drafting round at that padded batch
+        with the filled schedule's expected tokens, as the engine runs it.
+      off_after: once the estimate has stayed below the bar (drafting not expected to pay by ``1 + margin``;
+        probes aside) for this many request-rounds in a row at one load (row bucket: 1, 2, 3-4, 5-8, ... active
+        requests), from at least ``off_requests`` distinct requests, the drafter is switched off at that load:
+        the active requests drop the drafter's context (the rounds become plain decoding's own programs at once) and
+        requests joining at that load are admitted without one. A gate that opens on its estimate at a load
+        resets that load's count. Integer >= 1; None: never (the gate alone decides, every request keeps its
+        context).
+      off_requests: the distinct requests that evidence comes from, each counting at most
+        ``ceil(off_after / off_requests)`` of its rounds (integer >= 1). Counted in request-rounds, a busy
+        engine decides within a few rounds (128 at 16 users: 8 rounds); over distinct requests, an idle one
+        needs several answers' evidence (8 answers at one user), never one long answer that happens not to draft
+        well.
+      off_retry: rounds with the drafter off at a load before it is tried there again (integer >= 1): joining
+        requests get the context again and, once the requests without one have finished, the gate looks afresh
+        (the traffic, and so the drafts' acceptance, may have changed). Counted in rounds so that the wait for
+        those requests to finish, a few hundred rounds, stays a small share.
+      calibrate_times: fold measured round times into the cost model's (`observe_round`: a host factor and the
+        drafting rounds' excess over it, `Engine.time_scale`); False ignores them. On by default: a table
+        measured on another host, or on this one while it was busy, can misprice the two kinds of round against
+        each other by half (docs/design.md). The output stays lossless either way; with it, which rounds draft
+        depends on timings, so sampled tokens (not their law) can differ between runs of the same seed: False
+        for reproducible samples. An engine turns it off under jax.distributed (several processes), where every
+        process must take the same decisions.
       request_ema: weight of the newest drafted round in a request's survival average, in (0, 1].
       global_ema: weight of the newest drafted round in the engine-wide average, in (0, 1].
       accept_decay: per drafted round, decay of the (predicted, accepted) sums, in (0, 1].

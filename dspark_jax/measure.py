@@ -775,6 +775,7 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
       larger), at the batches they can verify.
     """
     from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.gate import GateConfig
 
     if rounds < 1 or warmup < 0:
         raise ValueError(f"rounds >= 1 and warmup >= 0 expected, got {rounds} and {warmup}")
@@ -805,8 +806,9 @@ def profile_round_overhead(target, drafter: Drafter, cost: CostModel, *, rows: S
                 warnings.filterwarnings("ignore", message="SPS table: measured up to")
                 engines[batch] = Engine(target, drafter, "dspark",
                                         EngineConfig(num_slots=R, capacity=capacity, temperature=temperature,
-                                                     window_rule=cost.window_rule, gate_probe_every=10**9,
-                                                     calibrate_times=False, drafter_off_after=None),
+                                                     window_rule=cost.window_rule,
+                                                     gate=GateConfig(probe_every=10**9, calibrate_times=False,
+                                                                     off_after=None)),
                                         sps=_forced_table(base, "drafting" if batch else "plain", batch or None,
                                                           mesh),
                                         stop_ids=(), mesh=mesh)

@@ -23,6 +23,7 @@ import numpy as np
 from dspark_jax.build import add_model_arguments, build_engine, load_target
 from dspark_jax.cli import parse_with_quick, positive_int, writable_file
 from dspark_jax.engine import SamplingParams
+from dspark_jax.gate import GateConfig
 from dspark_jax.timing import compile_count, device_info, format_table, write_json
 
 
@@ -93,7 +94,7 @@ def main(argv=None):
         # prefix cache, which would serve the repeated burst from the warm-up's pages
         engine = build_engine(target, args.policy, draft=args.draft, num_slots=slots,
                               max_prompt_tokens=args.prompt_tokens, max_new_tokens=args.answer,
-                              max_num_batched_tokens=budget, calibrate_times=False,
+                              max_num_batched_tokens=budget, gate=GateConfig(calibrate_times=False),
                               enable_prefix_caching=False)  # the timed run repeats the warm-up's prompts
         run_scenario(engine, streams, burst, answer=args.answer, warm_steps=args.warm_steps)  # compiles
         result = run_scenario(engine, streams, burst, answer=args.answer, warm_steps=args.warm_steps)

@@ -23,6 +23,7 @@ import numpy as np
 from dspark_jax.build import add_model_arguments, build_engine, load_target
 from dspark_jax.cli import parse_with_quick, positive_int, writable_file
 from dspark_jax.engine import SamplingParams
+from dspark_jax.gate import GateConfig
 from dspark_jax.grammar import Grammar, grammar_tokenizer
 from dspark_jax.timing import device_info, format_table, write_json
 
@@ -93,7 +94,7 @@ def main(argv=None):
         for n in users:
             # the round-time correction off: the timed pass takes the first pass's decisions (and programs)
             engine = build_engine(target, policy, draft=args.draft, num_slots=n, max_prompt_tokens=96,
-                                  max_new_tokens=args.max_tokens, calibrate_times=False)
+                                  max_new_tokens=args.max_tokens, gate=GateConfig(calibrate_times=False))
             picks = [SCHEMAS[i % len(SCHEMAS)] for i in range(n)]
             prompts = [tok.encode_chat([q]) for q, _ in picks]
             grammars = [Grammar.json_schema(schema, gtok) for _, schema in picks]

@@ -25,6 +25,7 @@ from dspark_jax.build import add_model_arguments, build_engine, load_drafter_for
 from dspark_jax.cli import parse_with_quick, positive_int, writable_file
 from dspark_jax.data import load_prompts
 from dspark_jax.engine import Engine, SamplingParams
+from dspark_jax.gate import GateConfig
 from dspark_jax.serving import pooled_ratio, shipped_prompts_dir
 from dspark_jax.timing import device_info, format_table, write_json
 
@@ -135,7 +136,7 @@ def main(argv=None):
             # the round-time correction off: both engines take the same decisions for the same rounds
             engine = build_engine(target, args.policy, draft=drafter, num_slots=n, max_prompt_tokens=prompt_cap,
                                   max_new_tokens=args.answer, enable_prefix_caching=caching,
-                                  calibrate_times=False)
+                                  gate=GateConfig(calibrate_times=False))
             run_chats(engine, tok, messages, args.answer)  # compiles
             engine.prefix_counts.update(prompt_tokens=0, cached_tokens=0)
             if engine.prefix_store is not None:

@@ -281,7 +281,7 @@ def main(argv=None):
                "accept_len": res.accept_len, "drafts_per_request": res.drafts_per_request,
                "rejected_share": res.rejected_share, "mean_batch_tokens": res.mean_batch_tokens,
                "repeats": res.repeats, "steady_rounds": res.steady_rounds, "compiled_rounds": res.compiled_rounds,
-               # the learned cut-off (EngineConfig.drafter_off_after): [round, row bucket] where the drafter was
+               # the learned cut-off (GateConfig.off_after): [round, row bucket] where the drafter was
                # switched off, and the requests admitted with and without the drafter's context
                "drafter_offs": [list(x) for x in engine.drafter_offs], "admissions": dict(engine.admissions)}
         print(f"  T={temp:g} N={n:3d} {policy_text:14s} {res.tokens_per_s:8.1f} tok/s (+-{res.tokens_per_s_spread:.1f})"

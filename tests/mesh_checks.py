@@ -45,17 +45,18 @@ def prompts(n: int, seed: int = 0, vocab: int = 64) -> list[list[int]]:
 
 def run_engine(model, d, policy, ps, budgets, *, mesh=None, temperature=0.0, slots=8, warm=False,
                calibrate_times=False, **config):
-    """Outputs of an engine run (and the compilations after its warm-up, with ``warm``); ``config``: other
-    `EngineConfig` fields (the KV layout)."""
+    """Outputs of an engine run (and the compilations after its warm-up, with ``warm``); ``calibrate_times``:
+    the gate's (`GateConfig`); ``config``: other `EngineConfig` fields (the KV layout)."""
     import numpy as np
 
     from dspark_jax.engine import Engine, EngineConfig
+    from dspark_jax.gate import GateConfig
     from dspark_jax.timing import compile_count
 
     sps = np.linspace(10.0, 1.0, 48).astype(np.float32)
     e = Engine(model, d, policy, EngineConfig(num_slots=slots, capacity=64, temperature=temperature, seed=3,
-                                              calibrate_times=calibrate_times, **config), sps=sps, stop_ids=[5],
-               mesh=mesh)
+                                              gate=GateConfig(calibrate_times=calibrate_times), **config),
+               sps=sps, stop_ids=[5], mesh=mesh)
     if warm:
         e.warm_up(max_prompt_tokens=max(len(p) for p in ps))
     before = compile_count()
@@ -376,7 +377,7 @@ def worker(process_id: int, num_processes: int, port: int, out: str) -> dict:
         real = time.perf_counter
         loop.time = type("SkewedTime", (), {"perf_counter": staticmethod(lambda: 3.0 * real())})
     # slots split over the processes: each round's outputs are gathered from both (`sharding.to_host`); the
-    # engine's default calibrate_times, which must not let each process's clock steer its own programs
+    # engine's default GateConfig.calibrate_times, which must not let each process's clock steer its own programs
     out_ids, _, e = run_engine(model, d, "dspark", ps, budgets, mesh=make_mesh(num_processes, 1),
                                calibrate_times=True)
     result = {"process": jax.process_index(), "devices": jax.device_count(), "outputs": {"dspark": out_ids},
@@ -393,12 +394,13 @@ def check_collectives() -> dict:
     import numpy as np
 
     from dspark_jax.engine import Engine, EngineConfig, SamplingParams
+    from dspark_jax.gate import GateConfig
     from dspark_jax.sharding import make_mesh
 
     model, d = tiny_target_and_drafter()
     sps = np.linspace(10.0, 1.0, 48).astype(np.float32)
-    e = Engine(model, d, "fixed:3", EngineConfig(num_slots=4, capacity=128, calibrate_times=False), sps=sps,
-               stop_ids=[], mesh=make_mesh(2, 1))
+    e = Engine(model, d, "fixed:3", EngineConfig(num_slots=4, capacity=128, gate=GateConfig(calibrate_times=False)),
+               sps=sps, stop_ids=[], mesh=make_mesh(2, 1))
     p = prompts(1, seed=5)[0]
     ids = [e.submit(p, 6), e.submit(p, 6, SamplingParams(temperature=1.0, seed=1))]
     while not e.idle():

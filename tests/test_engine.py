@@ -214,9 +214,8 @@ def test_dspark_rounds_fill_the_padded_batch(model, drafter):
     share = {}
     for fill in (True, False):
         for policy in ("dspark", "dspark-async"):  # the shapes of the other gate tests: programs shared
-            e = eng.Engine(model, drafter, policy, eng.EngineConfig(num_slots=4, capacity=64, fill_buckets=fill,
-                                                                          calibrate_times=False),
-                           sps=synthetic_cost_table(), stop_ids=[])
+            cfg = eng.EngineConfig(num_slots=4, capacity=64, gate=gate.GateConfig(fill=fill, calibrate_times=False))
+            e = eng.Engine(model, drafter, policy, cfg, sps=synthetic_cost_table(), stop_ids=[])
             assert [c.output_ids for c in e.run(ps, 30)] == [r.output_ids for r in ref], (policy, fill)
             # rounds with drafts and every request far from its limit (no cap shortened a row)
             spec = [r for r in e.rounds if r.scheduled.sum() > 0 and r.finished == 0]
@@ -228,12 +227,12 @@ def test_dspark_rounds_fill_the_padded_batch(model, drafter):
 
 def test_busy_engine_skips_a_drafter_that_does_not_pay(model, drafter):
     """With a drafter that costs ten verification steps, dspark decodes plainly (and stays lossless); with
-    probes it drafts exactly once after every `gate_probe_every` skipped rounds, to refresh its estimates."""
+    probes it drafts exactly once after every `GateConfig.probe_every` skipped rounds, to refresh its estimates."""
     ps = prompts(3, seed=4)
     ref, _ = plain_generate(model, ps, 12, 0.0, num_slots=3, stop_ids=[], capacity=64)
     for draft_cost, probe in ((1.0, 1000), (1.0, 2), (0.0, 1000)):
-        e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=probe,
-                                                                  gate_probe_budget=float("inf"), calibrate_times=False),
+        g = gate.GateConfig(probe_every=probe, probe_budget=float("inf"), calibrate_times=False)
+        e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate=g),
                        sps=synthetic_cost_table(draft_cost=draft_cost), stop_ids=[])
         assert [c.output_ids for c in e.run(ps, 12)] == [r.output_ids for r in ref]
         drafted = [r.drafted for r in e.rounds]
@@ -246,19 +245,20 @@ def test_busy_engine_skips_a_drafter_that_does_not_pay(model, drafter):
 
 
 def test_gate_margin_asks_drafting_for_a_clear_gain(model, drafter):
-    """The gate opens only when drafting promises ``1 + gate_margin`` times plain decoding's throughput: a
+    """The gate opens only when drafting promises ``1 + GateConfig.margin`` times plain decoding's throughput: a
     free drafter drafts with no margin and never with an impossible one (output lossless either way)."""
     ps = prompts(3, seed=4)
     ref, _ = plain_generate(model, ps, 12, 0.0, num_slots=3, stop_ids=[], capacity=64)
     for margin, drafts in ((0.0, True), (50.0, False)):
-        e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000,
-                                                                  gate_margin=margin, calibrate_times=False),
+        g = gate.GateConfig(probe_every=1000, margin=margin, calibrate_times=False)
+        e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate=g),
                        sps=synthetic_cost_table(draft_cost=0.0), stop_ids=[])
         assert [c.output_ids for c in e.run(ps, 12)] == [r.output_ids for r in ref]
         assert any(r.drafted for r in e.rounds) == drafts, margin
     for bad in (-0.1, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="gate_margin: expected a finite share >= 0"):
-            eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_margin=bad),
+        with pytest.raises(ValueError, match="^margin: expected a finite share >= 0"):
+            eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64,
+                                                                  gate=gate.GateConfig(margin=bad)),
                        sps=synthetic_cost_table())
 
 
@@ -276,9 +276,8 @@ def test_closed_gate_skips_the_draft_program(model, drafter, monkeypatch):
     _spy(monkeypatch, "draft_and_schedule", calls)
     ps = prompts(5, seed=6)
     ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
-    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=3, capacity=64, gate_probe_every=1000,
-                                                              calibrate_times=False),
-                   sps=synthetic_cost_table(draft_cost=1.0), stop_ids=[])
+    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=3, capacity=64, gate=gate.GateConfig(
+        probe_every=1000, calibrate_times=False)), sps=synthetic_cost_table(draft_cost=1.0), stop_ids=[])
     assert [c.output_ids for c in e.run(ps, 10)] == [r.output_ids for r in ref]
     admissions = sum(1 for i, r in enumerate(e.rounds) if i == 0 or r.finished)  # rounds after a slot freed
     assert 1 <= len(calls) <= admissions < len(e.rounds)
@@ -290,7 +289,8 @@ def test_the_drafter_waits_for_requests_without_its_context(model, drafter):
     missing); once they finish, a request admitted at a light load drafts again."""
     ps = prompts(4, seed=13)
     ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
-    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=3, capacity=64, calibrate_times=False),
+    e = eng.Engine(model, drafter, "dspark",
+                   eng.EngineConfig(num_slots=3, capacity=64, gate=gate.GateConfig(calibrate_times=False)),
                    sps=synthetic_cost_table(draft_cost=0.0), stop_ids=[])  # a free drafter
     e.cutoff = gate.CutOff(off_rounds={3: 0})  # off at three requests (row bucket 3: capped at the slots)
     ids = [e.submit(ps[0], 6)]  # the shortest: it leaves first
@@ -311,7 +311,7 @@ def test_the_drafter_waits_for_requests_without_its_context(model, drafter):
 
 
 def test_the_drafter_is_switched_off_where_the_gate_stays_shut(model, drafter, monkeypatch):
-    """drafter_off_after: a drafter that never pays (it costs ten verifications) keeps the gate's estimate
+    """GateConfig.off_after: a drafter that never pays (it costs ten verifications) keeps the gate's estimate
     below the bar; after that many request-rounds at a load the active requests drop their context and the
     rounds are plain decoding's own programs (no context write, no gate), requests joining at that load come
     without one; `warm_up` compiled those programs too. A free drafter opens the gate and is never switched
@@ -319,8 +319,8 @@ def test_the_drafter_is_switched_off_where_the_gate_stays_shut(model, drafter, m
     ps = prompts(6, seed=6)
     ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
     for draft_cost in (1.0, 0.0):
-        cfg = eng.EngineConfig(num_slots=3, capacity=64, gate_probe_every=1000, calibrate_times=False,
-                               drafter_off_after=6, drafter_off_requests=3)
+        cfg = eng.EngineConfig(num_slots=3, capacity=64, gate=gate.GateConfig(
+            probe_every=1000, calibrate_times=False, off_after=6, off_requests=3))
         e = eng.Engine(model, drafter, "dspark", cfg, sps=synthetic_cost_table(draft_cost=draft_cost), stop_ids=[])
         if draft_cost:
             e.warm_up(max_prompt_tokens=20)  # compiles plain decoding's programs too
@@ -344,12 +344,12 @@ def test_the_drafter_is_switched_off_where_the_gate_stays_shut(model, drafter, m
 
 
 def test_the_cut_off_waits_for_evidence_from_enough_requests(model, drafter):
-    """drafter_off_requests: with 3 slots and 4 distinct requests asked for, the drafter that never pays is
+    """GateConfig.off_requests: with 3 slots and 4 distinct requests asked for, the drafter that never pays is
     switched off only in a round with a request of the second wave (ids, not slots, are counted)."""
     ps = prompts(6, seed=6)
     ref, _ = plain_generate(model, ps, 10, 0.0, num_slots=3, stop_ids=[], capacity=64)
-    cfg = eng.EngineConfig(num_slots=3, capacity=64, gate_probe_every=1000, calibrate_times=False,
-                           drafter_off_after=6, drafter_off_requests=4)
+    cfg = eng.EngineConfig(num_slots=3, capacity=64, gate=gate.GateConfig(
+        probe_every=1000, calibrate_times=False, off_after=6, off_requests=4))
     e = eng.Engine(model, drafter, "dspark", cfg, sps=synthetic_cost_table(draft_cost=1.0), stop_ids=[])
     assert [c.output_ids for c in e.run(ps, 10)] == [r.output_ids for r in ref]
     (at, bucket), = e.drafter_offs
@@ -358,20 +358,21 @@ def test_the_cut_off_waits_for_evidence_from_enough_requests(model, drafter):
 
 
 def test_a_switched_off_drafter_is_tried_again(model, drafter):
-    """After drafter_off_retry rounds with the drafter off at a load, requests joining there get the context
+    """After GateConfig.off_retry rounds with the drafter off at a load, requests joining there get the context
     again and the gate looks afresh (and, the drafter never paying, switches it off again)."""
     ps = prompts(6, seed=8)
     ref, _ = plain_generate(model, ps, 6, 0.0, num_slots=1, stop_ids=[], capacity=64)
-    cfg = eng.EngineConfig(num_slots=1, capacity=64, gate_probe_every=1000, calibrate_times=False,
-                           drafter_off_after=3, drafter_off_requests=1, drafter_off_retry=6)
+    cfg = eng.EngineConfig(num_slots=1, capacity=64, gate=gate.GateConfig(
+        probe_every=1000, calibrate_times=False, off_after=3, off_requests=1, off_retry=6))
     e = eng.Engine(model, drafter, "dspark", cfg, sps=synthetic_cost_table(draft_cost=1.0), stop_ids=[])
     assert [c.output_ids for c in e.run(ps, 6)] == [r.output_ids for r in ref]
     # one request at a time, 5 rounds each: off after 3 rounds, on again for a request joining 6 rounds later
     assert len(e.drafter_offs) >= 2 and all(R == 1 for _, R in e.drafter_offs), e.drafter_offs
     assert e.admissions["context"] >= 2 and e.admissions["no_context"] >= 1, e.admissions
-    for key, bad in (("drafter_off_after", 0), ("drafter_off_after", 2.5), ("drafter_off_retry", 0)):
-        with pytest.raises(ValueError, match=f"{key}: expected"):
-            eng.Engine(model, drafter, "dspark", eng.EngineConfig(**{key: bad}), sps=synthetic_cost_table())
+    for key, bad in (("off_after", 0), ("off_after", 2.5), ("off_retry", 0)):
+        with pytest.raises(ValueError, match=f"^{key}: expected"):
+            eng.Engine(model, drafter, "dspark", eng.EngineConfig(gate=gate.GateConfig(**{key: bad})),
+                       sps=synthetic_cost_table())
 
 
 def test_measured_round_times_correct_the_cost_model(model, drafter):
@@ -380,17 +381,16 @@ def test_measured_round_times_correct_the_cost_model(model, drafter):
     ps = prompts(3, seed=4)
     ref, _ = plain_generate(model, ps, 12, 0.0, num_slots=3, stop_ids=[], capacity=64)
     table = synthetic_cost_table(draft_cost=0.02)
-    base = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000,
-                                                                 calibrate_times=False), sps=table, stop_ids=[])
+    frozen = eng.EngineConfig(num_slots=4, capacity=64, gate=gate.GateConfig(probe_every=1000, calibrate_times=False))
+    base = eng.Engine(model, drafter, "dspark", frozen, sps=table, stop_ids=[])
     assert [c.output_ids for c in base.run(ps, 12)] == [r.output_ids for r in ref]
     assert not any(r.drafted for r in base.rounds) and base.time_scale == (1.0, 1.0)
-    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000,
-                                                              calibrate_times=False), sps=table, stop_ids=[])
+    e = eng.Engine(model, drafter, "dspark", frozen, sps=table, stop_ids=[])
     learned, cfg = gate.RoundTimes(), gate.GateConfig()
     for _ in range(100):  # drafting rounds measured at a fifth of the table's prediction, plain ones as predicted
         learned = gate.observe_round(learned, cfg, True, 0.2, 1.0)
         learned = gate.observe_round(learned, cfg, False, 1.0, 1.0)
-    e.round_times = learned  # calibrate_times=False: the engine keeps it as it is
+    e.round_times = learned  # GateConfig.calibrate_times off: the engine keeps it as it is
     d_scale, p_scale = e.time_scale
     assert d_scale == pytest.approx(0.2, rel=0.05) and p_scale == pytest.approx(1.0, rel=0.05)
     assert [c.output_ids for c in e.run(ps, 12)] == [r.output_ids for r in ref]
@@ -400,20 +400,18 @@ def test_measured_round_times_correct_the_cost_model(model, drafter):
 
 
 def test_measured_round_times_close_the_gate_on_a_table_that_prices_drafting_low(model, drafter):
-    """The other direction, the one the default (calibrate_times on) guards against: a table that prices a
+    """The other direction, the one the default (GateConfig.calibrate_times on) guards against: a table that prices a
     drafting round at a plain one's cost makes the gate draft; once the engine has measured drafting rounds
     at four times their price, it stops (output lossless either way)."""
     ps = prompts(3, seed=4)
     ref, _ = plain_generate(model, ps, 12, 0.0, num_slots=3, stop_ids=[], capacity=64)
     table = synthetic_cost_table(draft_cost=0.0)
-    assert eng.EngineConfig().calibrate_times
-    base = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000,
-                                                                 calibrate_times=False), sps=table, stop_ids=[])
+    assert eng.EngineConfig().gate.calibrate_times
+    frozen = eng.EngineConfig(num_slots=4, capacity=64, gate=gate.GateConfig(probe_every=1000, calibrate_times=False))
+    base = eng.Engine(model, drafter, "dspark", frozen, sps=table, stop_ids=[])
     assert [c.output_ids for c in base.run(ps, 12)] == [r.output_ids for r in ref]
     assert any(r.drafted for r in base.rounds)
-    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000,
-                                                              calibrate_times=False),  # frozen at what is set
-                   sps=table, stop_ids=[])
+    e = eng.Engine(model, drafter, "dspark", frozen, sps=table, stop_ids=[])  # round_times frozen at what is set
     learned, cfg = gate.RoundTimes(), gate.GateConfig()
     for _ in range(100):
         learned = gate.observe_round(learned, cfg, True, 4.0, 1.0)
@@ -425,31 +423,30 @@ def test_measured_round_times_close_the_gate_on_a_table_that_prices_drafting_low
 
 
 def test_expensive_probes_come_less_often(model, drafter):
-    """Probes are spaced so that their extra cost stays under gate_probe_budget of the time: with a drafter
-    that costs far more than a plain round the engine waits longer than gate_probe_every between probes."""
+    """Probes are spaced so that their extra cost stays under GateConfig.probe_budget of the time: with a drafter
+    that costs far more than a plain round the engine waits longer than GateConfig.probe_every between probes."""
     ps = prompts(3, seed=4)
     ref, _ = plain_generate(model, ps, 30, 0.0, num_slots=3, stop_ids=[], capacity=64)
     table = synthetic_cost_table(draft_cost=0.05)  # a probe round costs several plain rounds here
     gaps = {}
     for budget in (float("inf"), 2.0):
-        e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=2,
-                                                                  gate_probe_budget=budget, calibrate_times=False),
+        g = gate.GateConfig(probe_every=2, probe_budget=budget, calibrate_times=False)
+        e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate=g),
                        sps=table, stop_ids=[])
         assert [c.output_ids for c in e.run(ps, 30)] == [r.output_ids for r in ref]
         drafted = [i for i, r in enumerate(e.rounds) if r.drafted]
         assert len(drafted) >= 2
         gaps[budget] = min(np.diff(drafted))
     assert gaps[float("inf")] == 3 and gaps[2.0] > 3
-    with pytest.raises(ValueError, match="gate_probe_budget"):
-        eng.Engine(model, drafter, "dspark", eng.EngineConfig(gate_probe_budget=0.0), sps=table)
+    with pytest.raises(ValueError, match="^probe_budget: expected"):
+        eng.Engine(model, drafter, "dspark", eng.EngineConfig(gate=gate.GateConfig(probe_budget=0.0)), sps=table)
 
 
 def test_gate_acceptance_sums_follow_the_drafted_rounds(model, drafter):
     """The gate's (predicted, accepted) sums follow the engine's drafted rounds: the accepted sum decays by
     accept_decay and adds each round that verified drafts (the arithmetic itself: tests/test_gate.py)."""
-    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate_probe_every=1000,
-                                                              calibrate_times=False),
-                   sps=synthetic_cost_table(draft_cost=0.0), stop_ids=[])
+    e = eng.Engine(model, drafter, "dspark", eng.EngineConfig(num_slots=4, capacity=64, gate=gate.GateConfig(
+        probe_every=1000, calibrate_times=False)), sps=synthetic_cost_table(draft_cost=0.0), stop_ids=[])
     cfg = e.gate_cfg
     e.run(prompts(2, seed=8), 12)
     predicted, accepted = np.asarray(e.state.gate.accept_seen)

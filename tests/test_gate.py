@@ -28,17 +28,21 @@ def test_config_is_validated_where_declared(field, bad):
         gate.GateConfig(**{field: bad})
 
 
-def test_engine_config_names_its_own_fields():
-    """EngineConfig builds the gate's config and reports a bad value under the field the caller set."""
-    cfg = EngineConfig(gate_probe_every=3, gate_probe_budget=0.5, gate_margin=0.1, fill_buckets=False,
-                       drafter_off_after=None, drafter_off_requests=2, drafter_off_retry=7, calibrate_times=False)
-    assert cfg.gate_config() == gate.GateConfig(probe_every=3, probe_budget=0.5, margin=0.1, fill=False,
-                                                off_after=None, off_requests=2, off_retry=7, calibrate_times=False)
-    hash(cfg.gate_config())  # hashable: a static argument of jit
-    for field, bad in (("gate_margin", -1.0), ("gate_probe_every", 0), ("gate_probe_budget", 0.0),
-                       ("drafter_off_after", 0), ("drafter_off_requests", 0), ("drafter_off_retry", 0)):
-        with pytest.raises(ValueError, match=f"^{field}: expected"):
-            EngineConfig(**{field: bad})
+def test_engine_config_holds_one_gate_config():
+    """EngineConfig takes the gate's settings as one `GateConfig` (its defaults the gate's own, hashable with the
+    rest) and refuses anything else under the name ``gate``; a bad value is refused where it is declared."""
+    assert EngineConfig().gate == gate.GateConfig()
+    g = gate.GateConfig(probe_every=3, probe_budget=0.5, margin=0.1, fill=False, off_after=None, off_requests=2,
+                        off_retry=7, calibrate_times=False)
+    cfg = EngineConfig(gate=g)
+    assert cfg.gate is g
+    hash(cfg)  # hashable: a static argument of jit
+    assert EngineConfig(gate=gate.GateConfig(margin=0.1)) == EngineConfig(gate=gate.GateConfig(margin=0.1))
+    for bad in (None, {"margin": 0.1}, 0.1):
+        with pytest.raises(ValueError, match="^gate: expected a dspark_jax.GateConfig"):
+            EngineConfig(gate=bad)
+    from dspark_jax import GateConfig
+    assert GateConfig is gate.GateConfig  # exported at the top level
 
 
 def test_init_and_admit():

@@ -22,7 +22,7 @@ decides, on the state it commits, whether drafting will pay in the next round fo
 gate, `dspark_jax.gate`: the engine only calls its pure functions and keeps its state; its answer comes back in
 the round's one host read); when it will not and nobody joined, the next round skips the first program and its host read: a plain round of a
 drafting engine costs a plain round plus the drafter's context update. Where the gate's estimate stays below
-its bar long enough at a load, the drafter is switched off there (``EngineConfig.drafter_off_after``): the
+its bar long enough at a load, the drafter is switched off there (``GateConfig.off_after``): the
 requests drop their context and the rounds are plain decoding's, until a retry. The host only
 admits new requests and collects finished ones. Rows are the active slots moved to the front (a stable
 argsort of ``~active``) and padded to a power of two, so the drafter's cost follows the load, not the slot
@@ -50,7 +50,7 @@ the target's law, but their samples are not independent of each other.
 
 The package, one concern per module (data flows down the list):
 
-- `config`: `EngineConfig` (static settings, the drafter gate's fields validated through `gate.GateConfig`) and
+- `config`: `EngineConfig` (static settings; the drafter gate's in ``gate``, a `gate.GateConfig`) and
   `SamplingParams` (one request's sampling);
 - `policy`: `Policy`, `parse_policy`, `policy_lengths` (which drafts a round verifies);
 - `requests`: the host's records (`Completion`, `TokenLogprobs`, `RoundStats`, `StepOutput`, `History`);

@@ -24,10 +24,12 @@ def _checked_temperature(t) -> float:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Static settings of an `Engine`: slots, cache capacity per slot, sampling, and the drafter gate
-    (its fields validated here, through `gate.GateConfig`, which `gate_config` returns).
+    (``gate``: a `gate.GateConfig`, validated where it is declared).
 
     >>> EngineConfig(num_slots=4, capacity=512, temperature=0.7).num_slots
     4
+    >>> EngineConfig(gate=gate.GateConfig(margin=0.1, calibrate_times=False)).gate.margin
+    0.1
     """
 
     num_slots: int = 16
@@ -38,48 +40,9 @@ class EngineConfig:
     # yet takes as its stale confidences (dspark-async) and average (the gate); the average then follows
     # the drafted rounds.
     prior_confidence: float = 0.7
-    # The dspark policies' drafter gate: after skipped rounds, draft once to refresh the estimates it decides
-    # on (a decision made from counters and earlier rounds alone: lossless). At least this many rounds apart...
-    gate_probe_every: int = 2
-    # ... and at least as many as keep the probes' expected loss (a drafting round's time times the share of
-    # plain decoding's throughput it is expected to lose, from the cost model and the same estimates) under
-    # this share of the time: near break-even a probe costs little and comes often; at high load a probe
-    # loses most of a round that costs several plain ones, so it comes rarely.
-    gate_probe_budget: float = 0.02
-    # ... and drafts only when the schedule's expected throughput beats plain decoding by this share: the
-    # cost model's drafting/plain ratio moves by up to ~10% between measurements on a shared 2-core host,
-    # and the per-request confidence averages are noisy, so a gate that opens on any expected gain opens
-    # on estimates that are too high (docs/design.md, the drafter gate). 0 trusts the estimates as they are.
-    gate_margin: float = 0.05
-    # Correct the cost model's drafting and plain round times by the engine's own measurements before the
-    # gate compares them (`Engine.time_scale`: a host factor and the drafting rounds' excess over it). On by
-    # default: a table measured on another host, or on this one while it was busy, can misprice the two kinds
-    # of round against each other by half (docs/design.md). The output stays lossless either way; with it,
-    # which rounds draft depends on timings, so
-    # sampled tokens (not their law) can differ between runs of the same seed: False for reproducible samples.
-    # Off under jax.distributed (several processes): every process must take the same decisions.
-    calibrate_times: bool = True
-    # The dspark policies learn where drafting never pays on this hardware: once the gate's estimate has
-    # stayed below its bar (drafting not expected to pay by `1 + gate_margin`; probes aside) for this many consecutive
-    # request-rounds at one load (row bucket: 1, 2, 3-4, 5-8, ... active requests), from at least
-    # `drafter_off_requests` distinct requests each counting at most its share (`gate.cutoff_update`), the
-    # drafter is switched off at that load: the active requests drop their context (the rounds become plain
-    # decoding's own programs at once) and requests joining at that load are admitted without one. Evidence is
-    # counted in request-rounds, so a busy engine decides within a few rounds (128 at 16 users: 8 rounds), and
-    # over distinct requests, so an idle one needs several answers' evidence (8 answers at one user), never one
-    # long answer that happens not to draft well. After
-    # `drafter_off_retry` rounds with the drafter off at that load, joining requests get the context again
-    # and, once the requests without one have finished, the gate looks afresh (the traffic, and so the
-    # drafts' acceptance, may have changed; counted in rounds so that the wait for those requests to finish,
-    # a few hundred rounds, stays a small share). A gate that opens on its estimate at a load resets that
-    # load's count. None: never (the gate alone decides, every request keeps its context).
-    drafter_off_after: int | None = 128
-    drafter_off_requests: int = 8
-    drafter_off_retry: int = 2048
-    # The dspark policies: extend each round's schedule with the next-ranked drafts up to the padded batch
-    # the verification runs anyway (`scheduler.fill_to_bucket`, lossless), and let the drafter gate price a
-    # round at the padded batch it pays for, with the filled schedule's expected tokens.
-    fill_buckets: bool = True
+    # The dspark policies' drafter gate (`gate.GateConfig`: probes, margin, filled schedules, the learned cut-off
+    # `off_after`, the round-time correction `calibrate_times`), one frozen value whose defaults are the gate's own.
+    gate: gate.GateConfig = dataclasses.field(default_factory=gate.GateConfig)
     # Attention windows over the caches: "step" = multiples of 128 (reads little beyond the context held),
     # "pow2" = powers of two (fewer shapes to compile). SPS cost models record the rule they were profiled with.
     window_rule: str = DEFAULT_WINDOW_RULE
@@ -141,12 +104,9 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens: expected None or an integer >= num_slots + "
                              f"{PREFILL_CHUNKS[0]} = {least} (every running request's token and a prefill chunk), "
                              f"got {self.max_num_batched_tokens!r}")
-        try:
-            self.gate_config()
-        except ValueError as err:  # name the field the caller set
-            field, _, rest = str(err).partition(":")
-            names = {g: e for e, g in _GATE_FIELDS.items()}
-            raise ValueError(f"{names.get(field, field)}:{rest}") from None
+        if not isinstance(self.gate, gate.GateConfig):
+            raise ValueError(f"gate: expected a dspark_jax.GateConfig (dspark_jax.gate.GateConfig), got "
+                             f"{type(self.gate).__name__}")
 
     @property
     def max_num_seqs(self) -> int:
@@ -169,22 +129,6 @@ class EngineConfig:
         if self.kv_layout != "auto":
             return self.kv_layout
         return "pages" if device_platform in ("gpu", "tpu", "cuda", "rocm") else "slots"
-
-    def gate_config(self) -> gate.GateConfig:
-        """The drafter gate's settings (`gate.GateConfig`) from these fields.
-
-        >>> EngineConfig(gate_margin=0.1).gate_config().margin
-        0.1
-        """
-        return gate.GateConfig(**{g: getattr(self, e) for e, g in _GATE_FIELDS.items()})
-
-
-_GATE_FIELDS = {  # EngineConfig field -> gate.GateConfig field
-    "gate_probe_every": "probe_every", "gate_probe_budget": "probe_budget", "gate_margin": "margin",
-    "fill_buckets": "fill", "drafter_off_after": "off_after", "drafter_off_requests": "off_requests",
-    "drafter_off_retry": "off_retry",
-    "calibrate_times": "calibrate_times",
-}
 
 
 SEEDED_KEY_ID = -1  # the key id of a request with its own seed (request ids are >= 0, so streams never meet)

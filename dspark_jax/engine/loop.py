@@ -104,7 +104,7 @@ class Engine:
 
             target = LlamaModel(target.cfg, place_target_weights(target.weights, target.cfg, mesh), target.tokenizer)
         self.target, self.cfg = target, config
-        self.gate_cfg = config.gate_config()
+        self.gate_cfg = config.gate  # the gate's settings as this engine runs them
         if self.gate_cfg.calibrate_times and jax.process_count() > 1:
             # Each process would fold its own clock into the cost model, and processes whose clocks disagree
             # would run different round programs (drafting or not) with different collectives: the table's
@@ -241,8 +241,8 @@ class Engine:
         self.record_confidences = False
         self.record_tokens = False  # RoundStats also hold request ids, drafted and emitted tokens (a trace)
         self._gate_closed = False  # the last round found that the drafter would not pay next round
-        # Learned cut-off (drafter_off_after, dspark policies with a cost model only): `gate.CutOff`.
-        self._may_drop_context = self.cost is not None and config.drafter_off_after is not None
+        # Learned cut-off (`gate.GateConfig.off_after`, dspark policies with a cost model only): `gate.CutOff`.
+        self._may_drop_context = self.cost is not None and self.gate_cfg.off_after is not None
         # Rows per round: the active requests' count rounded up to a power of two, whose slots' caches the round
         # gathers. With slots split over data-parallel groups, a gather of some slots is a masked read plus an
         # all-reduce of every layer's cache rows across the groups each round; every slot read in place costs
@@ -614,7 +614,7 @@ class Engine:
 
     def _admission_context(self, load: int) -> bool:
         """Whether a request joining now gets the drafter's context: not where the learned cut-off
-        (``drafter_off_after``) has the drafter off at the ``load`` (active requests) it will decode with:
+        (``GateConfig.off_after``) has the drafter off at the ``load`` (active requests) it will decode with:
         those active and those joining with it."""
         if self.drafter is None:
             return False
@@ -942,7 +942,7 @@ class Engine:
     @property
     def round_times(self) -> gate.RoundTimes:
         """The measured correction of the cost model's round times the gate reads (`gate.RoundTimes`;
-        learned with ``calibrate_times``, settable: a correction learned elsewhere)."""
+        learned with ``GateConfig.calibrate_times``, settable: a correction learned elsewhere)."""
         return self._round_times
 
     @round_times.setter

@@ -305,7 +305,7 @@ class SPSTable:
                 used = ", ".join(f"{k}={drafter[k]!r}" for k in differ)
                 msgs.append(f"SPS table was measured with a drafter of {measured} but is used with one of "
                             f"{used}: its drafting rounds are mispriced until the engine has timed its own "
-                            f"(EngineConfig.calibrate_times); profile a table with this drafter "
+                            f"(GateConfig.calibrate_times); profile a table with this drafter "
                             f"(python -m profiling.profile_sps --draft ...)")
         for m in msgs:
             warnings.warn(m, stacklevel=2)
