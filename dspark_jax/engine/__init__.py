@@ -20,9 +20,9 @@ Between the two the host reads one scalar, the batch size B, to pick the token b
 second program); everything else stays on the device. With the ``dspark`` policies the second program also
 decides, on the state it commits, whether drafting will pay in the next round for the same requests (the drafter
 gate, `dspark_jax.gate`: the engine only calls its pure functions and keeps its state; its answer comes back in
-the round's one host read); when it will not and nobody joined, the next round skips the first program and its host read: a plain round of a
-drafting engine costs a plain round plus the drafter's context update. Where the gate's estimate stays below
-its bar long enough at a load, the drafter is switched off there (``GateConfig.off_after``): the
+the round's one host read); when it will not and nobody joined, the next round skips the first program and its
+host read: a plain round of a drafting engine costs a plain round plus the drafter's context update and the
+gate's bookkeeping. Where the gate's estimate stays below its bar long enough at a load, the drafter is switched off there (``GateConfig.off_after``): the
 requests drop their context and the rounds are plain decoding's, until a retry. The host only
 admits new requests and collects finished ones. Rows are the active slots moved to the front (a stable
 argsort of ``~active``) and padded to a power of two, so the drafter's cost follows the load, not the slot
