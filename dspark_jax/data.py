@@ -464,3 +464,18 @@ def token_frequencies(cache: TargetCache, vocab_size: int, temperature: float | 
     for off, n, p in zip(cache.offsets[use], cache.lengths[use], cache.prompt_lengths[use]):
         np.add.at(counts, cache.tokens[off + p : off + n], 1)
     return counts
+
+
+def token_counts(cache: TargetCache, vocab_size: int) -> np.ndarray:
+    """How often each token id occurs anywhere in the cache, prompts and chat-template tokens included: int64 [V]."""
+    return np.bincount(np.asarray(cache.tokens, np.int64), minlength=vocab_size)[:vocab_size]
+
+
+def tap_rms(cache: TargetCache, sample: int = 4096) -> np.ndarray:
+    """The typical size of each tapped layer: the median over ``sample`` evenly spaced cached tokens of the
+    root mean square of its hidden state, float32 [M]. The median, not the mean: a few tokens (a sequence's
+    first) carry hidden states tens of times larger than the rest."""
+    n = len(cache.taps)
+    rows = np.unique(np.linspace(0, n - 1, min(sample, n)).astype(np.int64))
+    taps = np.asarray(cache.taps[rows], np.float32)  # [n, M, D]
+    return np.median(np.sqrt(np.mean(taps * taps, axis=-1)), axis=0).astype(np.float32)

@@ -36,7 +36,7 @@ from dspark_jax.models.llama import first_argmax
 from dspark_jax.io import atomic_write_text
 
 __all__ = ["LossConfig", "block_loss", "TrainConfig", "make_optimizer", "train", "validate", "replicate",
-           "shard_batch", "choose_draft_vocab", "init_layers_from_target"]
+           "shard_batch", "choose_draft_vocab", "choose_mask_token", "init_layers_from_target"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,13 +344,66 @@ def choose_draft_vocab(frequencies: np.ndarray, size: int, always: tuple[int, ..
     return np.sort(np.asarray(chosen, np.int32))
 
 
+def choose_mask_token(tokenizer, vocab_size: int, seen: np.ndarray | None = None) -> tuple[int, str]:
+    """A token id whose embedding row can stand for the block slots (``DrafterConfig.mask_token``): one the target
+    never produces in text, so that the row means "a slot to draft" and nothing else. In order:
+
+    1. a special token of the tokenizer that names a mask (``<mask>``, ``<|MASK|>``): speculators takes the
+       tokenizer's mask token first, and DeepSpec's Gemma configs use its ``<mask>`` (id 4);
+    2. the first embedding row past the tokenizer's tokens (``tokenizer.vocab_size`` when the embedding has more
+       rows): no text encodes to it. Speculators adds its ``<|MASK|>`` there, and DeepSpec's Qwen3 configs use
+       151669, Qwen3's first such row;
+    3. the special token of highest id that is not BOS, EOS, PAD or a stop id, is not written in the chat
+       template and never occurs in ``seen``. SmolLM2 has neither of the above and every row is a token: this
+       picks ``<empty_output>`` (16), one of the code-metadata tokens (``<repo_name>`` .. ``<empty_output>``,
+       3..16) of its pretraining data, which a chat never writes. (Speculators' last resort, the PAD token, is
+       SmolLM2's EOS, which every answer ends with.)
+
+    Tokens that occur in ``seen`` (the training cache's counts, prompts included) are never picked.
+
+    Args:
+      tokenizer: the target's tokenizer (`tokenizer.Tokenizer` or `tokenizer.HFTokenizer`; what it lacks of
+        ``backend``, ``vocab_size``, the special ids and ``chat_template`` counts as absent).
+      vocab_size: the target's embedding rows V.
+      seen: int [V] token counts, or None.
+    Returns:
+      (token id, why it was picked).
+    Raises:
+      ValueError: when no token qualifies (then name one with ``--mask-token ID``).
+
+    >>> import types
+    >>> choose_mask_token(types.SimpleNamespace(vocab_size=60), 64)[0]  # a tokenizer of 60 tokens, 64 rows
+    60
+    """
+    seen = np.zeros(vocab_size, np.int64) if seen is None else np.asarray(seen)
+    backend = getattr(tokenizer, "backend", None)
+    added = {} if backend is None else backend.get_added_tokens_decoder()
+    specials = {int(i): str(t.content) for i, t in added.items() if t.special and 0 <= int(i) < vocab_size}
+    used = {getattr(tokenizer, name, None) for name in ("bos_id", "eos_id", "pad_id")}
+    used |= {int(i) for i in getattr(tokenizer, "stop_ids", ())}
+    template = getattr(tokenizer, "chat_template", None) or ""
+    free = [i for i, text in sorted(specials.items()) if i not in used and text not in template and not seen[i]]
+    named = [i for i in free if "mask" in specials[i].lower()]
+    if named:
+        return named[0], f"the tokenizer's mask token {specials[named[0]]!r}"
+    size = int(getattr(tokenizer, "vocab_size", vocab_size))
+    if size < vocab_size and not seen[size]:
+        return size, f"row {size}, the first embedding row past the tokenizer's {size} tokens (no text encodes to it)"
+    if free:
+        return free[-1], (f"the special token {specials[free[-1]]!r}: not BOS, EOS, PAD or a stop token, not in the "
+                          f"chat template, absent from the training cache")
+    raise ValueError("found no token the target never writes (no mask token, no embedding row past the tokenizer's "
+                     "tokens, no unused special token); name one with --mask-token ID")
+
+
 def init_layers_from_target(drafter: Drafter, weights, layers, *, context_tap: int | None = -1) -> Drafter:
     """Start the drafter's decoder layers (and its final norm) from the target's own: drafter layer j takes
     target layer ``layers[j]``'s norms and projections. With ``context_tap``, the context features start as
     that tapped layer alone, normalised as the first copied layer normalises its input (the context
     projection selects the tap; the context norm takes that layer's attention-norm scale): the first drafter
     layer's context keys and values then start as the target layer's own over those states. The heads keep
-    their fresh initialisation. Modifies ``drafter`` in place and returns it.
+    their fresh initialisation, and so do a QK-norm drafter's query and key norm scales (ones) when the target
+    has no QK-norm to copy. Modifies ``drafter`` in place and returns it.
 
     Args:
       drafter: a fresh drafter at the target's width (`DrafterConfig.for_target`, the target's FFN width).
@@ -393,6 +446,8 @@ def init_layers_from_target(drafter: Drafter, weights, layers, *, context_tap: i
             raise ValueError("init layers: the target's attention has biases, which the drafter's layers lack")
         for name, param in pairs:
             value = getattr(src, name)
+            if value is None and name in ("q_norm", "k_norm"):
+                continue  # a target without QK-norm (SmolLM2): the drafter's scales stay at ones
             var = getattr(getattr(drafter.layers[j], name), param)
             if value is None or tuple(value.shape) != tuple(var[...].shape):
                 raise ValueError(f"init layers: target layer {i}'s {name} has shape "

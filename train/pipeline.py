@@ -5,6 +5,8 @@ head, and the evaluation of both on the held-out half of the dev prompts at temp
     python -m train.pipeline --out runs/pipeline                          # SmolLM2: every shard, 2000 steps
     python -m train.pipeline --out runs/short --shards 8 --steps 300      # a shorter run on the first 8 shards
     python -m train.pipeline --out runs/pipeline --kl 1.0 --tap-norm --layers 3   # recipe options, both drafters
+    python -m train.pipeline --out runs/portable --shards 64 --steps 1000 --lr 3e-4 --seed 1 \
+        --portable --init-from shipped --draft-vocab 0    # the shipped pair fine-tuned into drafters that travel
 
 Stages, in order (each runs the command named, in a process of its own, whose progress it prints):
 
@@ -16,6 +18,12 @@ Stages, in order (each runs the command named, in a process of its own, whose pr
     calibrate-dflash  train.calibrate        (DFlash has no confidence head: skipped)
     eval              train.evaluate         OUT/eval/t{0,1}/{dspark,dflash}_{domain}.json, held-out dev half
     summary           train.summarize_eval   OUT/eval/t{0,1}/summary.json and the tables on stdout
+    export            dspark_jax.export      with --portable: OUT/export/{dspark,dflash}-speculators, and
+                                             -deepspec for a drafter of the full vocabulary (DeepSpec's only)
+
+``--init-from shipped`` starts each drafter from the shipped one of its kind, ``--init-from DIR`` from
+``DIR/dspark/export`` and ``DIR/dflash/export`` (an earlier pipeline's); the architecture is then theirs, and
+``--portable`` converts them (``train.train_drafter --init-from``).
 
 Everything resumes where it stopped: generated shards and cache shards are kept, training restarts from its last
 Orbax checkpoint, an evaluation whose report exists is not run again. ``OUT/pipeline.json`` records the
@@ -59,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="draft layers (train.train_drafter's default)")
     p.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary (train_drafter's default)")
     p.add_argument("--tap-norm", action="store_true", help="normalise each tapped layer (train_drafter)")
+    p.add_argument("--qk-norm", action="store_true", help="QK-norm in the draft layers (train_drafter --qk-norm)")
+    p.add_argument("--mask-token", default=None, metavar="ID|auto",
+                   help="the block slots as the target's embedding row ID (train_drafter --mask-token)")
+    p.add_argument("--portable", action="store_true",
+                   help="drafters both export formats hold (train_drafter --portable: --qk-norm, no per-tap norms, "
+                        "--mask-token auto), and an export stage; speculators holds a reduced draft vocabulary, "
+                        "DeepSpec only the full one (--draft-vocab 0)")
+    p.add_argument("--init-from", default=None, metavar="shipped|DIR",
+                   help="start each drafter from the shipped one of its kind, or from DIR/{dspark,dflash}/export "
+                        "(train_drafter --init-from)")
     p.add_argument("--kl", type=float, default=0.0, help="distillation weight (train_drafter --kl)")
     p.add_argument("--init-layers", type=int, nargs="+", default=None, metavar="I",
                    help="both drafters' layers start from these target layers (train_drafter --init-layers)")
@@ -79,13 +97,21 @@ def settings_of(args: argparse.Namespace) -> dict:
                                               "eval_max_new_tokens", "seed")}
     if args.init_layers is not None:
         settings["init_layers"] = list(args.init_layers)
+    for key in ("qk_norm", "portable"):
+        if getattr(args, key):
+            settings[key] = True
+    for key in ("mask_token", "init_from"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
     return settings
 
 
 Command = tuple[str, Callable[[list[str]], object], list[str], Path | None]  # label, main, argv, output (skip if present)
 
 
-COMMANDS = ("generate_data", "build_cache", "train_drafter", "calibrate", "evaluate", "summarize_eval")
+COMMANDS = ("generate_data", "build_cache", "train_drafter", "calibrate", "evaluate", "summarize_eval", "export")
+MODULES = {"export": "dspark_jax.export"}  # the commands outside train/
+FORMATS = ("speculators", "deepspec")
 
 
 # ``python -m MODULE ARGV`` with Ctrl-C's default handler restored: a process started in the background by a
@@ -128,7 +154,7 @@ def command_in_process(module: str, grace_seconds: float = 120.0) -> Callable[[S
 
 def _mains():
     """The stages' entry points: each command in a child process (`command_in_process`)."""
-    return {name: command_in_process(f"train.{name}") for name in COMMANDS}
+    return {name: command_in_process(MODULES.get(name, f"train.{name}")) for name in COMMANDS}
 
 
 def count_shards(folder: Path) -> int:
@@ -166,11 +192,15 @@ def plan(args: argparse.Namespace, mains: dict) -> list[tuple[str, list[Command]
                         ("--context-tokens", args.context_tokens)):
         recipe += [] if value is None else [flag, str(value)]
     recipe += ["--tap-norm"] if args.tap_norm else []
+    recipe += ["--qk-norm"] if args.qk_norm else []
+    recipe += ["--mask-token", args.mask_token] if args.mask_token is not None else []
+    recipe += ["--portable"] if args.portable else []
     recipe += ["--kl", str(args.kl)] if args.kl else []
     recipe += ["--init-layers", *map(str, args.init_layers)] if args.init_layers is not None else []
     for kind in DRAFTERS:
         argv = ["--cache", str(out / "cache"), "--run", str(out / kind), "--kind", kind, "--steps", str(args.steps),
                 "--seed", str(args.seed)] + recipe + model
+        argv += [] if args.init_from is None else ["--init-from", init_source(args.init_from, kind)]
         argv += ["--val-cache", str(out / "val_cache")] if args.val_shards else []
         stages.append((f"train-{kind}", [("train_drafter", mains["train_drafter"], argv, None)]))
     for kind in DRAFTERS:
@@ -196,7 +226,39 @@ def plan(args: argparse.Namespace, mains: dict) -> list[tuple[str, list[Command]
                           ["--dir", str(folder), "--drafts", "dflash", "dspark", "--domains", *DOMAINS,
                            "--json", str(folder / "summary.json")], None))
     stages.append(("summary", summaries))
+    if args.portable:
+        exports: list[Command] = []
+        for kind in DRAFTERS:
+            for fmt in FORMATS:
+                folder = out / "export" / f"{kind}-{fmt}"
+                argv = ["--format", fmt, str(out / kind / "export"), str(folder)] + model
+                exports.append((f"export {kind} {fmt}", _exported(mains["export"], fmt), argv, None))
+        stages.append(("export", exports))
     return stages
+
+
+def init_source(spec: str, kind: str) -> str:
+    """The --init-from drafter of ``kind`` for the pipeline's --init-from: the shipped one of its name, or the
+    export of an earlier pipeline folder's."""
+    return kind if spec == "shipped" else str(Path(spec) / kind / "export")
+
+
+def _exported(export_main, fmt: str):
+    """dspark_jax.export's main for one format, skipping an output already written (it writes atomically) and, for
+    DeepSpec, a drafter of a reduced draft vocabulary (which that format cannot hold), saying so."""
+    def main(argv):
+        drafter, out = Path(argv[2]), Path(argv[3])
+        if (out / "config.json").is_file():
+            print(f"   {out} exists")
+            return None
+        cfg = json.loads((drafter / "config.json").read_text())["config"]
+        if fmt == "deepspec" and cfg.get("draft_vocab_size", 0):
+            print(f"   {drafter}: not written as DeepSpec, which holds the full vocabulary only (this drafter "
+                  f"proposes {cfg['draft_vocab_size']} of {cfg['vocab_size']} tokens; --draft-vocab 0 for both)")
+            return None
+        return export_main(argv)
+
+    return main
 
 
 def _with_shards(build_cache_main, args: argparse.Namespace, part: str):
@@ -232,6 +294,19 @@ def check_inputs(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"--draft-vocab {args.draft_vocab}: expected an integer >= 0 (0: the whole vocabulary)")
     if args.model is not None and not Path(args.model).exists():
         p.error(f"--model {args.model}: no such file or folder (a GGUF file or a Hugging Face checkpoint folder)")
+    if args.portable and args.tap_norm:
+        p.error("--portable --tap-norm: neither export format holds per-tap norms; drop --tap-norm")
+    if args.mask_token is not None and args.mask_token != "auto" and not args.mask_token.isdigit():
+        p.error(f"--mask-token {args.mask_token}: expected a token id or 'auto'")
+    if args.init_from is not None:
+        given = [f"--{k.replace('_', '-')}" for k in ("layers", "init_layers") if getattr(args, k) is not None]
+        if given:
+            p.error(f"{', '.join(given)}: the architecture comes from --init-from {args.init_from}; drop them")
+        if args.init_from != "shipped":
+            missing = [k for k in DRAFTERS if not (Path(init_source(args.init_from, k)) / "config.json").is_file()]
+            if missing:
+                p.error(f"--init-from {args.init_from}: expected 'shipped' or an earlier pipeline's --out folder "
+                        f"(no {', '.join(init_source(args.init_from, k) for k in missing)})")
     if args.init_layers is not None:
         from train.train_drafter import FRESH_DEFAULTS  # noqa: PLC0415 (loads JAX: only when the option is given)
 

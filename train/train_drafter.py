@@ -14,6 +14,13 @@ From an existing drafter (a shipped name, a folder written here, or an imported 
 those the source lacks, on its frozen backbone with the DSpark loss; ``--train confidence`` trains the
 confidence head alone; ``--train all`` (the default) trains everything. The run folder records its
 configuration (``run.json``); a resumed run must ask for the same drafter.
+
+A drafter that travels (exports to vLLM speculators and DeepSpec, ``python -m dspark_jax.export``) has QK-norm in
+its draft layers, no per-tap norms and its block slots embedded as a vocabulary row: ``--portable``, fresh or
+fine-tuned from a drafter that lacks them (``--train all``; what was added, dropped and adapted is printed):
+
+    python -m train.train_drafter --cache runs/data/cache --run runs/portable --kind dspark --portable \
+        --init-from dspark --draft-vocab 0 --steps 1000 --lr 3e-4
 """
 
 from __future__ import annotations
@@ -35,12 +42,18 @@ from dspark_jax.sharding import mesh_from_args
 from dspark_jax.drafters import SHIPPED, drafter_source, resolve_drafter
 from dspark_jax.cli import nonnegative_float, nonnegative_int, positive_float, positive_int
 from dspark_jax.models import drafter_files
+from dspark_jax.models.deepspec import deepspec_refusals
 from dspark_jax.models.drafter import Drafter, DrafterConfig
+from dspark_jax.models.speculators import speculators_refusals
 from dspark_jax.plots import plot_training
 from dspark_jax.io import atomic_write_text
 
-# Architecture options of a fresh drafter; a drafter trained --init-from takes them from its source.
+# Architecture options of a fresh drafter; a drafter trained --init-from takes them from its source (but for the
+# draft vocabulary, which --draft-vocab may choose again, `heads.convert_drafter`).
 FRESH_DEFAULTS = {"layers": 2, "ffn": 1536, "block": 7, "draft_vocab": 8192}
+# What --portable sets: the form both export formats hold (`models.speculators.speculators_refusals`,
+# `models.deepspec.deepspec_refusals`); the draft vocabulary stays the user's choice.
+PORTABLE = {"qk_norm": True, "tap_norm": False, "mask_token": "auto"}
 
 
 def check_cache_fits(cache: data.TargetCache, cache_dir: str, target_cfg) -> None:
@@ -72,6 +85,54 @@ def init_source(args: argparse.Namespace, target) -> tuple[Drafter, Path]:
     except ValueError as err:
         raise ValueError(f"--init-from {args.init_from}: {err}") from err
     return drafter, source
+
+
+def mask_token_arg(value: str) -> str | int:
+    """``--mask-token``: a token id or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        token = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token id or 'auto', got {value!r}") from None
+    if token < 0:
+        raise argparse.ArgumentTypeError(f"expected a token id >= 0 or 'auto', got {value!r}")
+    return token
+
+
+def apply_portable(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """Set what --portable implies (`PORTABLE`), refusing options that contradict it."""
+    if not args.portable:
+        return
+    if args.qk_norm is False:
+        p.error("--portable --no-qk-norm: both export formats' draft layers normalise queries and keys; drop "
+                "--no-qk-norm")
+    if args.tap_norm:
+        p.error("--portable --tap-norm: neither export format holds per-tap norms (they project the raw tapped "
+                "layers); drop --tap-norm")
+    args.qk_norm, args.tap_norm = PORTABLE["qk_norm"], PORTABLE["tap_norm"]
+    if args.mask_token is None:
+        args.mask_token = PORTABLE["mask_token"]
+
+
+def resolve_mask_token(args: argparse.Namespace, target, cache: data.TargetCache, source_mask: int | None
+                       ) -> tuple[int | None, str | None]:
+    """The mask token id --mask-token asks for and why (None, None without the option). ``auto`` keeps the
+    --init-from drafter's own mask token when it has one, else `training.choose_mask_token` picks one the target
+    never writes, among the tokens absent from the training cache."""
+    if args.mask_token is None:
+        return None, None
+    vocab = target.cfg.vocab_size
+    if args.mask_token != "auto":
+        if not args.mask_token < vocab:
+            raise ValueError(f"--mask-token {args.mask_token}: expected a token id below the target's {vocab}")
+        return args.mask_token, "--mask-token"
+    if source_mask is not None:
+        return source_mask, "the --init-from drafter's own"
+    try:
+        return training.choose_mask_token(target.tokenizer, vocab, data.token_counts(cache, vocab))
+    except ValueError as err:
+        raise ValueError(f"--mask-token auto: {err}") from err
 
 
 def validate_only(args: argparse.Namespace, target, val_cache: data.TargetCache) -> dict:
@@ -148,8 +209,22 @@ def main(argv=None):
     p.add_argument("--rank", type=positive_int, default=None, help="Markov / RNN head rank (default: the spec's 256, or "
                                                           "the --init-from drafter's)")
     p.add_argument("--block", type=positive_int, default=None, help=f"default {FRESH_DEFAULTS['block']}")
-    p.add_argument("--tap-norm", action="store_true",
-                   help="RMS-normalise each tapped target layer before the context projection (new drafters)")
+    p.add_argument("--tap-norm", action=argparse.BooleanOptionalAction, default=None,
+                   help="RMS-normalise each tapped target layer before the context projection (default: off, or "
+                        "the --init-from drafter's; both export formats need it off)")
+    p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=None,
+                   help="RMS-normalise each head's queries and keys in the draft layers, as Qwen3 layers do "
+                        "(default: off, or the --init-from drafter's; both export formats need it)")
+    p.add_argument("--mask-token", type=mask_token_arg, default=None, metavar="ID|auto",
+                   help="embed the block slots as the target's embedding row ID instead of a learned vector (both "
+                        "export formats need it); auto: the --init-from drafter's, else a token the target never "
+                        "writes (its mask token, an embedding row past its tokenizer, or an unused special token: "
+                        "SmolLM2's <empty_output>, 16; dspark_jax.training.choose_mask_token)")
+    p.add_argument("--portable", action="store_true",
+                   help="a drafter both export formats hold (python -m dspark_jax.export): --qk-norm --no-tap-norm "
+                        "--mask-token auto; with --init-from, the source is converted and fine-tuned (--train all). "
+                        "The draft vocabulary stays yours: speculators holds a reduced one, DeepSpec only the "
+                        "full vocabulary (--draft-vocab 0)")
     p.add_argument("--init-layers", type=int, nargs="+", default=None, metavar="I",
                    help="a fresh drafter's decoder layers (and final norm) start from these target layers, one per "
                         "drafter layer (negative: from the last; e.g. -2 -1); --ffn then defaults to the target's")
@@ -157,7 +232,9 @@ def main(argv=None):
                    help="with --init-layers: keep the context projection fresh (by default it starts as the "
                         "deepest tapped layer, normalised as the first copied layer normalises its input)")
     p.add_argument("--draft-vocab", type=nonnegative_int, default=None,
-                   help=f"0 = full target vocabulary (default {FRESH_DEFAULTS['draft_vocab']})")
+                   help=f"0 = full target vocabulary (default {FRESH_DEFAULTS['draft_vocab']}, or the --init-from "
+                        f"drafter's; given with --init-from, chosen again and the heads' rows mapped onto it). The "
+                        f"speculators format holds a reduced vocabulary, DeepSpec's only the full one (0)")
     p.add_argument("--kl", type=nonnegative_float, default=0.0, metavar="WEIGHT",
                    help="weight of the distillation term (soft cross-entropy against the target's distribution "
                         "over the draft vocabulary; see dspark_jax.training); default 0: the spec's loss")
@@ -177,15 +254,25 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     # Every check that needs no model comes first.
+    apply_portable(args, p)
+    switches = [f"--{k.replace('_', '-')}" for k in ("qk_norm", "tap_norm", "mask_token", "draft_vocab")
+                if getattr(args, k) is not None]
+    if args.validate_only and (switches or args.portable):
+        p.error(f"{', '.join(['--portable'] if args.portable else switches)}: --validate-only scores the --init-from "
+                f"drafter as it is; drop them")
     if args.init_from is None:
         if args.train != "all":
             p.error(f"--train {args.train} trains part of an existing drafter: name it with --init-from DRAFTER")
     else:
-        given = [f"--{k.replace('_', '-')}" for k in FRESH_DEFAULTS if getattr(args, k) is not None]
-        given += ["--tap-norm"] if args.tap_norm else []
+        given = [f"--{k.replace('_', '-')}" for k in FRESH_DEFAULTS
+                 if k != "draft_vocab" and getattr(args, k) is not None]
         given += ["--init-layers"] if args.init_layers is not None else []
         if given:
             p.error(f"{', '.join(given)}: the architecture comes from --init-from {args.init_from}; drop them")
+        if switches and args.train != "all":
+            p.error(f"{', '.join(['--portable'] if args.portable else switches)}: converting the --init-from "
+                    f"drafter changes its backbone or vocabulary, which --train {args.train} keeps frozen; use "
+                    f"--train all")
         try:
             drafter_source(args.init_from)
         except ValueError as e:
@@ -221,16 +308,20 @@ def main(argv=None):
     freqs = data.token_frequencies(cache, target.cfg.vocab_size, temperature=1.0)
     dspark = args.kind == "dspark"
     fresh: list[str] = []
+    dropped: list[str] = []
+    adapted: list[str] = []
+    stops = tuple(target.tokenizer.stop_ids)
     if args.init_from is None:
         arch = {k: FRESH_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k) for k in FRESH_DEFAULTS}
         if args.init_layers is not None and args.ffn is None:
             arch["ffn"] = target.cfg.ffn_dim  # layers started from the target's have its FFN width
-        vocab = training.choose_draft_vocab(freqs, arch["draft_vocab"], always=tuple(target.tokenizer.stop_ids))
+        vocab = training.choose_draft_vocab(freqs, arch["draft_vocab"], always=stops)
+        mask, mask_why = resolve_mask_token(args, target, cache, None)
         cfg = DrafterConfig.for_target(
             target.cfg, n_layers=arch["layers"], ffn_dim=arch["ffn"], block=arch["block"],
             rank=256 if args.rank is None else args.rank, head=(args.head or "markov") if dspark else "none",
             confidence=dspark, draft_vocab_size=0 if len(vocab) == target.cfg.vocab_size else len(vocab),
-            tap_norm=args.tap_norm,
+            tap_norm=bool(args.tap_norm), qk_norm=bool(args.qk_norm), mask_token=mask,
         )
         drafter = Drafter(cfg, rngs=nnx.Rngs(args.seed), vocab_ids=vocab)
         if args.init_layers is not None:
@@ -243,7 +334,25 @@ def main(argv=None):
     else:
         src, source = init_source(args, target)
         cfg = heads.head_config(src.cfg, part=args.train, kind=args.kind, head=args.head, rank=args.rank)
-        drafter, fresh = heads.extend_drafter(src, cfg, seed=args.seed)
+        mask, mask_why = resolve_mask_token(args, target, cache, src.cfg.mask_token)
+        switched = {k: v for k, v in (("qk_norm", args.qk_norm), ("tap_norm", args.tap_norm), ("mask_token", mask))
+                    if v is not None}
+        vocab = None
+        if args.draft_vocab is not None:
+            vocab = training.choose_draft_vocab(freqs, args.draft_vocab, always=stops)
+            switched["draft_vocab_size"] = 0 if len(vocab) == target.cfg.vocab_size else len(vocab)
+        cfg = dataclasses.replace(cfg, **switched)
+        tap_rms = data.tap_rms(cache) if cfg.tap_norm != src.cfg.tap_norm else None
+        qk_scales = None
+        if cfg.qk_norm and not src.cfg.qk_norm:  # fitted on one small batch of the training cache
+            fit_loader = data.BlockLoader(cache, block=src.cfg.block, blocks=64, context_tokens=2048, seed=args.seed)
+            qk_scales = heads.fit_qk_norm_scales(src, fit_loader.batch(0), target.weights.embed)
+        try:
+            conv = heads.convert_drafter(src, cfg, seed=args.seed, vocab_ids=vocab, tap_rms=tap_rms,
+                                         qk_scales=qk_scales)
+        except ValueError as err:
+            raise ValueError(f"--init-from {args.init_from}: {err}") from err
+        drafter, fresh, dropped, adapted = conv.drafter, conv.fresh, conv.dropped, conv.adapted
         vocab = jax.device_get(drafter.vocab_ids[...])
     covered = freqs[vocab].sum() / max(freqs.sum(), 1)
     record = {"kind": args.kind, "train": args.train, "init_from": None if source is None else str(source),
@@ -268,10 +377,20 @@ def main(argv=None):
     trainable = heads.trainable_filter(args.train, cfg)
     n_params, n_train = heads.count_params(drafter), heads.count_params(drafter, trainable)
     print(f"{args.kind}: {n_train / 1e6:.2f}M of {n_params / 1e6:.2f}M parameters trained (--train {args.train}"
-          + (f", from {source}, new: {', '.join(fresh) or 'none'}" if source is not None else "")
+          + (f", from {source}" if source is not None else "")
           + f"), draft vocabulary {len(vocab)} ({covered:.2%} of sampled assistant tokens), {loader.num_tokens} tokens "
           f"in {loader.num_sequences} of {cache.num_sequences} sequences, context buckets "
           f"{loader.buckets}")
+    if source is not None:
+        print(f"from {source}: initialised fresh: {', '.join(fresh) or 'none'}; dropped: {', '.join(dropped) or 'none'}"
+              + "".join(f"\n  adapted {a}" for a in adapted))
+    print(f"draft layers: qk_norm={cfg.qk_norm}, tap_norm={cfg.tap_norm}, mask_token={cfg.mask_token}"
+          + (f" ({mask_why})" if mask_why and cfg.mask_token is not None else ""))
+    if args.portable:
+        refused = {fmt: r for fmt, r in (("speculators", speculators_refusals(cfg)),
+                                          ("deepspec", deepspec_refusals(cfg))) if r}
+        print("portable: exports to " + ", ".join(f for f in ("speculators", "deepspec") if f not in refused)
+              + "".join(f"; not {fmt}: {'; '.join(r)}" for fmt, r in refused.items()))
     tc = training.TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed, val_every=args.val_every)
     val_loader = None if val_cache is None else held_out_loader(val_cache, cfg.block)
     t0 = time.perf_counter()
@@ -285,6 +404,8 @@ def main(argv=None):
     last = training.metric_rows(run / "metrics.jsonl")[-1]
     info = {"kind": args.kind, "steps": args.steps, "params": n_params, "trained_params": n_train,
             "train": args.train, "init_from": record["init_from"], "new_params": fresh,
+            **({"dropped_params": dropped, "adapted_params": adapted} if dropped or adapted else {}),
+            **({"mask_token_choice": mask_why} if mask_why else {}),
             "draft_vocab_coverage": float(covered), "train_tokens": loader.num_tokens,
             "final_tau_prob": last["tau_prob"], "final_val_tau_prob": last.get("val_tau_prob"),
             "wall_seconds_this_run": wall, "args": vars(args)}

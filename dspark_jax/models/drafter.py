@@ -255,6 +255,8 @@ class Drafter(nnx.Module):
         self.final_norm = nnx.RMSNorm(D, epsilon=cfg.norm_eps, rngs=rngs)
         if cfg.uses_prev_token:
             self.w1 = nnx.Embed(W + 1, r, embedding_init=_init(1.0 / np.sqrt(r)), rngs=rngs)
+            if W == cfg.vocab_size:  # no token lies outside a full vocabulary: its shared row, never read, is zero
+                self.w1.embedding[...] = self.w1.embedding[...].at[W].set(0.0)  # (as the checkpoint readers set it)
         if cfg.head != "none":
             # W2 starts at zero: the head starts as a plain DFlash drafter and learns the correction.
             self.w2 = nnx.Linear(r, W, use_bias=False, kernel_init=nnx.initializers.zeros, rngs=rngs)
@@ -307,6 +309,18 @@ class Drafter(nnx.Module):
         """
         return self._hidden(anchors, anchor_pos, embed,
                             lambda i, layer, x, pos: layer(x, pos, ctx_k[i], ctx_v[i], ctx_mask))
+
+    def layer_inputs(self, ctx_k, ctx_v, ctx_mask, anchors, anchor_pos, embed) -> list[jax.Array]:
+        """The input of every draft layer over the blocks, [N, B, G, D] each (arguments as `hidden`): what
+        statistics of the layers' activations read (`heads.fit_qk_norm_scales`)."""
+        inputs = []
+
+        def run_layer(i, layer, x, pos):
+            inputs.append(x)
+            return layer(x, pos, ctx_k[i], ctx_v[i], ctx_mask)
+
+        self._hidden(anchors, anchor_pos, embed, run_layer)
+        return inputs
 
     def hidden_cached(self, context: "CachedContext", anchors, anchor_pos, embed):
         """Block hidden states of one block per row, the context read from the drafter's cache in parts
