@@ -76,7 +76,7 @@ def main(argv=None):
               f"any compilation), accepted length {acc:.2f}\n")
     if args.skip_table:
         return
-    print("closed-loop throughput (policies taking turns window by window, tokens over seconds of all windows: window "
+    print("closed-loop throughput (policies taking turns round by round, tokens over seconds of all windows: window "
           "k of every policy serves the same answers; rounds that compiled are excluded):")
     rows = []
     min_window = args.max_new_tokens if args.min_window_tokens is None else args.min_window_tokens

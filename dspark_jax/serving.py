@@ -107,12 +107,18 @@ class ClosedLoop:
         than the policies differ at high load."""
         out = []
         while not out or self.emitted < total_tokens:
-            self._top_up()
-            stats = self.engine.step().stats
+            stats = self.step()
             if stats is not None:
                 out.append(stats)
-                self.emitted += stats.emitted
         return out
+
+    def step(self) -> RoundStats | None:
+        """One engine step, the users' next prompts sent first: its round's stats (None: no request decoded)."""
+        self._top_up()
+        stats = self.engine.step().stats
+        if stats is not None:
+            self.emitted += stats.emitted
+        return stats
 
 
 def window_tokens(concurrency: int, rounds: int, min_tokens: int = 0) -> int:
@@ -135,23 +141,43 @@ def closed_loop(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: i
 
 def interleaved(engines: dict[str, Engine], prompts: Sequence[Sequence[int]], concurrency: int,
                 max_new_tokens: int, *, warmup_tokens: int, window_tokens: int,
-                repeats: int = 1) -> dict[str, LoadResult]:
-    """Closed loops over several engines (one per policy, say) taking turns window by window, in an order
-    rotated every repeat, so that a drift of the machine's speed lands on all of them alike; windows end at
-    the same emitted-token counts (:meth:`ClosedLoop.run_until`), so window k of every engine serves the
-    same prompts. Returns each engine's :class:`LoadResult`, whose ``repeats`` pair up across engines."""
+                repeats: int = 1, turns: str = "round") -> dict[str, LoadResult]:
+    """Closed loops over several engines (one per policy, say) taking turns, so that a drift of the machine's
+    speed lands on all of them alike; windows end at the same emitted-token counts (:meth:`ClosedLoop.run_until`),
+    so window k of every engine serves the same prompts. ``turns="round"`` (the default): within each window the
+    engines step one round each in turn (an engine that has reached the window's end waits for the others), so
+    a host whose speed moves within seconds, as a shared VM's does, slows every engine's rounds alike;
+    ``"window"``: each engine runs its whole window in turn, in an order rotated every repeat. Returns each
+    engine's :class:`LoadResult`, whose ``repeats`` pair up across engines."""
     if window_tokens < 1 or repeats < 1 or warmup_tokens < 0:
         raise ValueError(f"expected window_tokens >= 1, repeats >= 1 and warmup_tokens >= 0, got "
                          f"{window_tokens}, {repeats}, {warmup_tokens}")
+    if turns not in ("round", "window"):
+        raise ValueError(f"turns: expected 'round' or 'window', got {turns!r}")
     names = list(engines)
     loops = {k: ClosedLoop(e, prompts, concurrency, max_new_tokens) for k, e in engines.items()}
     for loop in loops.values():
         loop.run_until(warmup_tokens)
     windows: dict[str, list[list[RoundStats]]] = {k: [] for k in names}
     for i in range(repeats):
+        end = warmup_tokens + (i + 1) * window_tokens
         shift = i % len(names)
-        for k in names[shift:] + names[:shift]:
-            windows[k].append(loops[k].run_until(warmup_tokens + (i + 1) * window_tokens))
+        order = names[shift:] + names[:shift]
+        if turns == "window":
+            for k in order:
+                windows[k].append(loops[k].run_until(end))
+            continue
+        current: dict[str, list[RoundStats]] = {k: [] for k in names}
+        running = list(order)
+        while running:  # as run_until: at least one round, then until the window's end
+            for k in list(running):
+                stats = loops[k].step()
+                if stats is not None:
+                    current[k].append(stats)
+                if current[k] and loops[k].emitted >= end:
+                    running.remove(k)
+        for k in names:
+            windows[k].append(current[k])
     return {k: summarize_windows(windows[k], completed_requests=len(loops[k].engine.finished_ids)) for k in names}
 
 

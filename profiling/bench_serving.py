@@ -12,9 +12,9 @@ same for every policy (`--rounds` x N, at least `--min-window-tokens`), so that 
 serves the same prompts (exactly the same answers at temperature 0, decoding being lossless).
 
 Interleaved by default: at each (concurrency, temperature) every policy gets its own engine and closed loop
-(warmed up first, the same prompt stream for each), and the policies take turns, one measurement window at a
-time, in a rotated order each repeat. A host whose speed drifts then slows every policy alike within a
-repeat, and the per-window ratios (`ratio_vs_none_repeats`, `ratio_vs_best_fixed_repeats`) show the spread of
+(warmed up first, the same prompt stream for each), and inside each measurement window the policies step one
+round each in turn (`serving.interleaved`). A host whose speed drifts, even within seconds as a shared VM's
+does, then slows every policy's rounds alike, and the per-window ratios (`ratio_vs_none_repeats`, `ratio_vs_best_fixed_repeats`) show the spread of
 the ratios themselves; their medians (`ratio_vs_none_paired`, `ratio_vs_best_fixed_paired`) are the paired
 estimates, which a drift between windows does not move. The windows also differ in what they serve (a
 window of math answers accepts more drafts than one of chat), so the per-window ratios spread by content as
@@ -182,7 +182,7 @@ def main(argv=None):
                    help="the engines' prefix cache (off by default: the closed loop cycles through the same prompts, "
                         "which a cache would serve instead of prefilling; profiling.bench_prefix measures it)")
     p.add_argument("--sequential", action="store_true",
-                   help="measure each policy's windows back to back (default: policies interleaved window by window)")
+                   help="measure each policy's windows back to back (default: policies interleaved round by round)")
     p.add_argument("--control", action="store_true",
                    help=f"add a second `none` engine ({CONTROL!r}) to every point: its ratio to `none` is the "
                         "noise floor of the ratios (two identical engines)")
@@ -268,7 +268,7 @@ def main(argv=None):
         return report(policy_text, n, temp, res, engine)
 
     def measure_interleaved(policies, n, temp):
-        """Every policy's loop warmed up, then one window per policy per repeat, in a rotated order."""
+        """Every policy's loop warmed up, then the windows, the policies stepping one round each in turn."""
         engines = {pol: engine_for(pol, n, temp) for pol in policies}
         res = interleaved(engines, prompts, n, args.max_new_tokens, **sizes(n))
         return [report(pol, n, temp, res[pol], engines[pol]) for pol in policies]

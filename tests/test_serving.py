@@ -51,7 +51,7 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
     """The benchmark script end to end on a tiny grid (a small random target with the real tokenizer and
     vocabulary, random drafter: the script's plumbing, not the model, is under test): every (policy, N, T)
     row carries the documented fields, ratios are against `none` and the best fixed K of the same run, the
-    threshold policy uses the best C of its sweep, policies are interleaved window by window with per-window
+    threshold policy uses the best C of its sweep, policies are interleaved round by round with per-window
     ratios, and the figures are written."""
     from profiling import bench_serving
     from tests.helpers import save_random_drafter, small_real_vocab_target
@@ -245,7 +245,7 @@ def test_windows_end_at_the_same_token_counts_for_every_engine(monkeypatch):
 
     monkeypatch.setattr(serving.ClosedLoop, "run_until", recording)
     engines = {"slow": _FakeEngine("slow", 1), "fast": _FakeEngine("fast", 3)}
-    res = serving.interleaved(engines, prompts, 2, 8, warmup_tokens=4, window_tokens=10, repeats=3)
+    res = serving.interleaved(engines, prompts, 2, 8, warmup_tokens=4, window_tokens=10, repeats=3, turns="window")
     assert [(name, total) for name, total, *_ in calls] == [
         ("slow", 4), ("fast", 4),  # warm-up
         ("slow", 14), ("fast", 14), ("fast", 24), ("slow", 24), ("slow", 34), ("fast", 34)]
@@ -260,3 +260,35 @@ def test_windows_end_at_the_same_token_counts_for_every_engine(monkeypatch):
         serving.window_tokens(0, 24)
     with pytest.raises(ValueError, match="window_tokens >= 1"):
         serving.interleaved(engines, prompts, 2, 8, warmup_tokens=0, window_tokens=0)
+    with pytest.raises(ValueError, match="turns"):
+        serving.interleaved(engines, prompts, 2, 8, warmup_tokens=0, window_tokens=4, turns="step")
+
+
+def test_engines_take_turns_round_by_round(monkeypatch):
+    """The default turns: one round of each engine in turn inside a window (an engine past the window's end waits),
+    each window ending at the first round that reaches warmup + (k + 1) x window tokens, as with whole windows."""
+    from dspark_jax import serving
+
+    prompts = [[0] * n for n in (5, 9, 3, 12, 7)]
+    order = []
+    step = serving.ClosedLoop.step
+
+    def recording(loop):
+        stats = step(loop)
+        order.append((loop.engine.name, loop.emitted, stats.emitted if stats is not None else 0))
+        return stats
+
+    monkeypatch.setattr(serving.ClosedLoop, "step", recording)
+    engines = {"slow": _FakeEngine("slow", 1), "fast": _FakeEngine("fast", 3)}
+    res = serving.interleaved(engines, prompts, 2, 8, warmup_tokens=4, window_tokens=10, repeats=2)
+    after_warmup = order[[n for n, *_ in order].index("fast"):]  # the slow loop warms up first, then the fast one
+    measured = [x for x in after_warmup if x[1] - x[2] >= 4]  # rounds that started after the loop's warm-up
+    names = [n for n, *_ in measured]
+    # both step in turn while both are inside the window; then the slow one alone finishes it
+    assert names[:4] == ["slow", "fast"] * 2 and names[4:6] == ["slow", "slow"], names
+    for name in engines:
+        emitted = [(e, k) for n, e, k in measured if n == name]
+        ends = [e for e, k in emitted if e >= 14 and e - k < 14] + [e for e, k in emitted if e >= 24 and e - k < 24]
+        assert len(ends) == 2  # one round closes each window
+        assert len(res[name].repeats) == 2
+        assert sum(r.emitted for r in res[name].rounds) == sum(k for _, k in emitted)
