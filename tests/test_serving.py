@@ -265,8 +265,8 @@ def test_windows_end_at_the_same_token_counts_for_every_engine(monkeypatch):
 
 
 def test_engines_take_turns_round_by_round(monkeypatch):
-    """The default turns: one round of each engine in turn inside a window (an engine past the window's end waits),
-    each window ending at the first round that reaches warmup + (k + 1) x window tokens, as with whole windows."""
+    """The default turns: one round of each engine per cycle inside a window, in an order drawn every cycle (an engine
+    past the window's end waits), each window ending at the first round that reaches warmup + (k + 1) x window tokens, as with whole windows."""
     from dspark_jax import serving
 
     prompts = [[0] * n for n in (5, 9, 3, 12, 7)]
@@ -285,7 +285,7 @@ def test_engines_take_turns_round_by_round(monkeypatch):
     measured = [x for x in after_warmup if x[1] - x[2] >= 4]  # rounds that started after the loop's warm-up
     names = [n for n, *_ in measured]
     # both step in turn while both are inside the window; then the slow one alone finishes it
-    assert names[:4] == ["slow", "fast"] * 2 and names[4:6] == ["slow", "slow"], names
+    assert sorted(names[:2]) == sorted(names[2:4]) == ["fast", "slow"] and names[4:6] == ["slow", "slow"], names
     for name in engines:
         emitted = [(e, k) for n, e, k in measured if n == name]
         ends = [e for e, k in emitted if e >= 14 and e - k < 14] + [e for e, k in emitted if e >= 24 and e - k < 24]
