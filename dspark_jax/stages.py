@@ -31,6 +31,7 @@ from flax import nnx
 from jax import lax
 
 from dspark_jax import scheduler
+from dspark_jax.gate import GateConfig
 from dspark_jax.models.drafter import Drafter, draft, draft_head_weights, init_drafter_cache, write_context
 from dspark_jax.models.llama import (BUCKETS, LayerWeights, LlamaConfig, LlamaModel, LlamaWeights, bucket_for,
                                      context_bucket, decode_step, forward_packed, grid_bucket, init_cache,
@@ -38,7 +39,7 @@ from dspark_jax.models.llama import (BUCKETS, LayerWeights, LlamaConfig, LlamaMo
                                      logits_from_hidden, rms_norm)
 from dspark_jax.timing import interleaved
 
-__all__ = ["interleaved", "round_stage_rows", "target_step_rows", "weights_only_forward"]
+__all__ = ["SHUT_GATE", "interleaved", "round_stage_rows", "target_step_rows", "weights_only_forward"]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -297,10 +298,15 @@ def _round_trip_thunk():
     return lambda: np.asarray(run(x))
 
 
+SHUT_GATE = "dspark, gate shut"  # the round row of a dspark engine whose drafter gate never opens
+
+
 def _engine_rounds(target: LlamaModel, drafter: Drafter, *, users: int, context: int, policies: Sequence[str],
-                   rounds: int, warmup: int, seed: int = 0) -> dict[str, float]:
+                   rounds: int, warmup: int, seed: int = 0, sps: Any = None) -> dict[str, float]:
     """Median seconds of a steady round (nothing compiled, no admission) of each policy's engine, the engines
-    stepped in turns."""
+    stepped in turns. ``SHUT_GATE``: a ``dspark`` engine on the cost model of ``sps`` whose gate never opens
+    nor probes (what a drafting engine pays in a round it does not draft: the drafter's context write and the
+    gate's bookkeeping and decision)."""
     from dspark_jax.build import LoadedDrafter, build_engine  # noqa: PLC0415 (build imports the engine)
 
     G = drafter.cfg.block
@@ -310,9 +316,12 @@ def _engine_rounds(target: LlamaModel, drafter: Drafter, *, users: int, context:
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, target.cfg.vocab_size, context).tolist() for _ in range(users)]
     engines = {}
+    shut = GateConfig(margin=1e6, probe_every=10**9, probe_budget=float("inf"), off_after=None,
+                      calibrate_times=False)
     for pol in policies:
-        eng = build_engine(bare, pol, draft=own, num_slots=users, max_prompt_tokens=context,
-                           max_new_tokens=max_new)
+        extra = dict(sps=sps, gate=shut) if pol == SHUT_GATE else {}
+        eng = build_engine(bare, "dspark" if pol == SHUT_GATE else pol, draft=own, num_slots=users,
+                           max_prompt_tokens=context, max_new_tokens=max_new, **extra)
         for p in prompts:
             eng.submit(p, max_new)
         engines[pol] = eng
@@ -334,7 +343,8 @@ def _engine_rounds(target: LlamaModel, drafter: Drafter, *, users: int, context:
 def round_stage_rows(target: LlamaModel, drafter: Drafter, *, users: Sequence[int] = (1, 4, 16),
                      context: int = 140, verify_tokens: Sequence[int] = (1, 2, 4, 8),
                      drafts: Sequence[int] = (1, 3, 7), repeats: int = 5, rounds: int = 8, warmup: int = 2,
-                     burst: int = 2, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                     burst: int = 2, progress: Callable[[str], None] | None = None,
+                     sps: Any = None) -> list[dict[str, Any]]:
     """One decoding round cut into stages at each number of users, beside the weights-only floor and the
     engine's own rounds.
 
@@ -345,7 +355,9 @@ def round_stage_rows(target: LlamaModel, drafter: Drafter, *, users: Sequence[in
     step) and the floor at the same padded token count, the drafter's context write for a full block, and
     one host round trip (a round syncs twice: the batch size, then the round's results). Then whole engine
     rounds: ``none`` and ``fixed:K`` for K in ``drafts`` (random drafter: nearly nothing is accepted, so each
-    round verifies K + 1 tokens per request), the engines stepped in turns.
+    round verifies K + 1 tokens per request), and, given an SPS table with a cost model (``sps``), a ``dspark``
+    engine whose gate stays shut (``SHUT_GATE``: a plain round plus the drafter's context and the gate), the
+    engines stepped in turns.
 
     A stage run alone pays its own dispatch, which inside the draft program it does not; the round rows say
     what the programs leave to the host (``rest`` = round - draft program - schedule - verification -
@@ -358,6 +370,7 @@ def round_stage_rows(target: LlamaModel, drafter: Drafter, *, users: Sequence[in
         repeats: timed calls per stage; burst: calls per turn, the last timed (:func:`interleaved`);
         rounds, warmup: steady engine rounds timed, and rounds skipped first.
         progress: called with a label before each group.
+        sps: an `SPSTable` with a cost model for the target and drafter (adds the shut-gate round), or None.
     Returns:
         rows ``{"users", "stage", "ms", "of_plain_round", "of_floor"}`` (the ratios to the plain round and
         to the floor at ``users`` tokens), the round rows with ``"tokens"`` (padded verification tokens)
@@ -387,13 +400,17 @@ def round_stage_rows(target: LlamaModel, drafter: Drafter, *, users: Sequence[in
         del thunks
         if progress is not None:
             progress(f"engine rounds: {R} users")
-        policies = ["none"] + [f"fixed:{k}" for k in drafts]
+        policies = ["none"] + [f"fixed:{k}" for k in drafts] + ([SHUT_GATE] if sps is not None else [])
         rounds_s = _engine_rounds(target, drafter, users=R, context=context, policies=policies, rounds=rounds,
-                                  warmup=warmup)
+                                  warmup=warmup, sps=sps)
         plain, floor = rounds_s["none"], times[f"floor {bucket_for(R)}"]
         for name, s in times.items():
             out.append({"users": R, "stage": name, "ms": 1e3 * s, "of_plain_round": s / plain, "of_floor": s / floor})
         for pol, s in rounds_s.items():
+            if pol == SHUT_GATE:  # one token a request, what plain decoding verifies
+                out.append({"users": R, "stage": f"round {pol}", "ms": 1e3 * s, "of_plain_round": s / plain,
+                            "of_floor": s / floor, "tokens": bucket_for(R), "rest_ms": None})
+                continue
             k = 0 if pol == "none" else int(pol.split(":")[1])
             T = bucket_for(R * (k + 1))
             verify = times.get(f"verify {k + 1}")

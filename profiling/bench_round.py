@@ -7,8 +7,9 @@ vocabulary, the sequential and confidence heads, the whole draft program, the sc
 context write, one host round trip, the verification of 1, 2, 4 and 8 tokens per request and the
 weights-only floor at the same token counts, each its own program, timed in turns in this process
 (`dspark_jax.stages.round_stage_rows`); then whole engine rounds (``none`` and ``fixed:1/3/7``, a random
-drafter of the shipped shape) stepped in turns. Ratios are to the plain round and to the floor at one token
-per user, all measured in this run.
+drafter of the shipped shape) and a ``dspark`` engine whose drafter gate stays shut (the packaged SPS table's
+cost model: what a drafting engine pays in a round it does not draft) stepped in turns. Ratios are to the plain
+round and to the floor at one token per user, all measured in this run.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from __future__ import annotations
 import argparse
 import datetime
 
-from dspark_jax.build import add_model_arguments, load_target
+from dspark_jax.build import add_model_arguments, load_target, target_name
 from dspark_jax.measure import random_drafter
+from dspark_jax.sps import default_sps_table
 from dspark_jax.stages import round_stage_rows
 from dspark_jax.timing import device_info, format_table, write_json
 from dspark_jax.cli import positive_int, writable_file
@@ -39,7 +41,8 @@ def main(argv=None):
     users = args.users or ((1,) if args.quick else (1, 4, 16))
     quick = dict(verify_tokens=(1, 4, 8), drafts=(3, 7), repeats=3, rounds=4) if args.quick else {}
     rows = round_stage_rows(target, drafter, users=users, context=args.context,
-                            **{**dict(repeats=7, rounds=12), **quick}, warmup=2, progress=print)
+                            **{**dict(repeats=7, rounds=12), **quick}, warmup=2, progress=print,
+                            sps=default_sps_table(model=target_name(args.model)))
     print(format_table(rows, ["users", "stage", "ms", "of_plain_round", "of_floor", "tokens", "rest_ms"]))
     if args.json:
         write_json(args.json, {"device": device_info(), "date": datetime.date.today().isoformat(),

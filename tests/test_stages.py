@@ -13,6 +13,7 @@ from flax import nnx
 from dspark_jax import stages
 from dspark_jax.models.drafter import Drafter, DrafterConfig
 from dspark_jax.models.llama import LlamaConfig, LlamaModel, init_random_weights
+from tests.helpers import synthetic_cost_table
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +92,12 @@ def test_target_step_rows_pair_each_step_with_the_floor(tiny):
 def test_round_stage_rows_cover_every_stage(tiny):
     drafter = Drafter(DrafterConfig.for_target(tiny.cfg, n_layers=1, ffn_dim=64, rank=8, block=3), rngs=nnx.Rngs(0))
     rows = stages.round_stage_rows(tiny, drafter, users=(2,), context=12, verify_tokens=(1, 4), drafts=(3,),
-                                   repeats=1, rounds=1, warmup=1, burst=1)
+                                   repeats=1, rounds=1, warmup=1, burst=1, sps=synthetic_cost_table(block=3))
     by = {r["stage"]: r for r in rows}
     assert set(by) == {"drafter layers", "LM head", "sequential + confidence heads", "confidence head",
                        "draft program", "schedule", "context write", "host round trip", "verify 1", "verify 4",
-                       "floor 2", "floor 8", "round none", "round fixed:3"}
+                       "floor 2", "floor 8", "round none", "round fixed:3", f"round {stages.SHUT_GATE}"}
+    assert by[f"round {stages.SHUT_GATE}"]["tokens"] == 2 and by[f"round {stages.SHUT_GATE}"]["ms"] > 0
     assert by["round none"]["of_plain_round"] == 1.0 and by["floor 2"]["of_floor"] == 1.0
     assert (by["round none"]["tokens"], by["round fixed:3"]["tokens"]) == (2, 8)
     plain = by["round none"]["ms"]
