@@ -149,8 +149,7 @@ def interleaved(engines: dict[str, Engine], prompts: Sequence[Sequence[int]], co
     a host whose speed moves within seconds, as a shared VM's does, slows every engine's rounds alike;
     the order of the turns is drawn afresh every cycle (a fixed seed), since a round right after a heavy round of
     another engine runs slower on a CPU; ``"window"``: each engine runs its whole window in turn, in an order
-    rotated every repeat. Returns each
-    engine's :class:`LoadResult`, whose ``repeats`` pair up across engines."""
+    rotated every repeat. Returns each engine's :class:`LoadResult`, whose ``repeats`` pair up across engines."""
     if window_tokens < 1 or repeats < 1 or warmup_tokens < 0:
         raise ValueError(f"expected window_tokens >= 1, repeats >= 1 and warmup_tokens >= 0, got "
                          f"{window_tokens}, {repeats}, {warmup_tokens}")
@@ -164,14 +163,13 @@ def interleaved(engines: dict[str, Engine], prompts: Sequence[Sequence[int]], co
     rng = np.random.default_rng(0)
     for i in range(repeats):
         end = warmup_tokens + (i + 1) * window_tokens
-        shift = i % len(names)
-        order = names[shift:] + names[:shift]
         if turns == "window":
-            for k in order:
+            shift = i % len(names)
+            for k in names[shift:] + names[:shift]:
                 windows[k].append(loops[k].run_until(end))
             continue
         current: dict[str, list[RoundStats]] = {k: [] for k in names}
-        running = list(order)
+        running = list(names)
         while running:  # as run_until: at least one round, then until the window's end
             # a new order every cycle: a round runs slower right after a heavy one (on XLA:CPU ~7% after a
             # fixed:7 round at 16 users), so a fixed cyclic order would charge that to one engine

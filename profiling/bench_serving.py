@@ -14,13 +14,14 @@ serves the same prompts (exactly the same answers at temperature 0, decoding bei
 Interleaved by default: at each (concurrency, temperature) every policy gets its own engine and closed loop
 (warmed up first, the same prompt stream for each), and inside each measurement window the policies step one
 round each in turn (`serving.interleaved`). A host whose speed drifts, even within seconds as a shared VM's
-does, then slows every policy's rounds alike, and the per-window ratios (`ratio_vs_none_repeats`, `ratio_vs_best_fixed_repeats`) show the spread of
-the ratios themselves; their medians (`ratio_vs_none_paired`, `ratio_vs_best_fixed_paired`) are the paired
-estimates, which a drift between windows does not move. The windows also differ in what they serve (a
-window of math answers accepts more drafts than one of chat), so the per-window ratios spread by content as
-well as by noise; `ratio_vs_none_pooled` and `ratio_vs_best_fixed_pooled` are the throughput over all
-windows against the reference's over the same windows, and `ratio_vs_none_ci`, `ratio_vs_best_fixed_ci` their
-paired bootstrap 95% intervals (windows resampled with replacement, each keeping both policies' times).
+does, then slows every policy's rounds alike, and the per-window ratios (`ratio_vs_none_repeats`,
+`ratio_vs_best_fixed_repeats`) show the spread of the ratios themselves; their medians (`ratio_vs_none_paired`,
+`ratio_vs_best_fixed_paired`) are the paired estimates, which a drift between windows does not move. The
+windows also differ in what they serve (a window of math answers accepts more drafts than one of chat), so the
+per-window ratios spread by content as well as by noise; `ratio_vs_none_pooled` and `ratio_vs_best_fixed_pooled`
+are the throughput over all windows against the reference's over the same windows, and `ratio_vs_none_ci`,
+`ratio_vs_best_fixed_ci` their paired bootstrap 95% intervals (windows resampled with replacement, each keeping
+both policies' times).
 `--sequential` measures each policy's windows back to back on one engine instead.
 
 `--json` is written after every point (`"complete": false` until the end), and `--resume` goes on from such

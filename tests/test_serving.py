@@ -265,8 +265,9 @@ def test_windows_end_at_the_same_token_counts_for_every_engine(monkeypatch):
 
 
 def test_engines_take_turns_round_by_round(monkeypatch):
-    """The default turns: one round of each engine per cycle inside a window, in an order drawn every cycle (an engine
-    past the window's end waits), each window ending at the first round that reaches warmup + (k + 1) x window tokens, as with whole windows."""
+    """The default turns: one round of each engine per cycle inside a window, in an order drawn every cycle (an
+    engine past the window's end waits), each window ending at the first round that reaches warmup + (k + 1) x
+    window tokens, as with whole windows."""
     from dspark_jax import serving
 
     prompts = [[0] * n for n in (5, 9, 3, 12, 7)]

@@ -22,11 +22,11 @@ decides, on the state it commits, whether drafting will pay in the next round fo
 gate, `dspark_jax.gate`: the engine only calls its pure functions and keeps its state; its answer comes back in
 the round's one host read); when it will not and nobody joined, the next round skips the first program and its
 host read: a plain round of a drafting engine costs a plain round plus the drafter's context update and the
-gate's bookkeeping. Where the gate's estimate stays below its bar long enough at a load, the drafter is switched off there (``GateConfig.off_after``): the
-requests drop their context and the rounds are plain decoding's, until a retry. The host only
-admits new requests and collects finished ones. Rows are the active slots moved to the front (a stable
-argsort of ``~active``) and padded to a power of two, so the drafter's cost follows the load, not the slot
-count.
+gate's bookkeeping. Where the gate's estimate stays below its bar long enough at a load, the drafter is switched
+off there (``GateConfig.off_after``): the requests drop their context and the rounds are plain decoding's, until a
+retry. The host only admits new requests and collects finished ones. Rows are the active slots moved to the
+front (a stable argsort of ``~active``) and padded to a power of two, so the drafter's cost follows the load, not
+the slot count.
 
 Policies: `policy` (`parse_policy`).
 

@@ -212,7 +212,7 @@ def _next_gate(spec: RoundSpec, inputs: RoundInputs, time_scale, state: EngineSt
                           1.0 / plain_sps_from_cost(cost, n_active, longest)).astype(jnp.float32)
     rows, row_valid = _device_rows(state.active, spec.rows)
     opens, _, gain = gate.decide(state.gate, spec.gate, cost, rows, row_valid, state.cache.lengths[rows], time_scale)
-    return predicted, opens, gain.astype(jnp.float32)
+    return predicted, opens, gain
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
