@@ -133,7 +133,8 @@ def reference_block(model, ctx, anchor: int):
     forward does with ``sample_from_anchor``) and its confidence head. Draft indices map to tokens by ``d2t``."""
     import torch
 
-    S = ctx.shape[1]
+    S, G = ctx.shape[1], model.config.block_size
+    D = model.config.transformer_layer_config.hidden_size
     T = S + G + 1
     junk = 5.0 * torch.randn(1, T - S, ctx.shape[2], generator=torch.Generator().manual_seed(S))
     hidden_states = torch.cat([ctx, junk], 1)  # the anchor's and later positions: never seen by the block
@@ -170,13 +171,14 @@ def _drafter_block(graph, state, taps, anchor, prev, embed, lm_head):
     """Ours on the same features: teacher-forced along the reference's chain, and the cached greedy `draft`."""
     drafter = nnx.merge(graph, state)
     head_w = dr.draft_head_weights(drafter, embed, lm_head)  # [D, W]
-    positions = jnp.arange(S_CTX)
+    S = taps.shape[0]
+    positions = jnp.arange(S)
     k, v = drafter.context_kv(taps[None], positions[None])
-    h = drafter.hidden(k, v, jnp.ones((1, 1, S_CTX), bool), anchor[None, None], jnp.full((1, 1), S_CTX), embed)
+    h = drafter.hidden(k, v, jnp.ones((1, 1, S), bool), anchor[None, None], jnp.full((1, 1), S), embed)
     corrected, conf = drafter.teacher_forced(h[0, 0], prev, head_w)
-    cache = dr.write_context(drafter, dr.init_drafter_cache(drafter.cfg, 1, 16), taps, jnp.zeros(S_CTX, jnp.int32),
-                             positions, jnp.ones(S_CTX, bool))
-    tokens, _, conf_draft = dr.draft(drafter, cache, jnp.zeros(1, jnp.int32), jnp.full(1, S_CTX), anchor[None],
+    cache = dr.write_context(drafter, dr.init_drafter_cache(drafter.cfg, 1, 16 * (S // 16 + 1)), taps,
+                             jnp.zeros(S, jnp.int32), positions, jnp.ones(S, bool))
+    tokens, _, conf_draft = dr.draft(drafter, cache, jnp.zeros(1, jnp.int32), jnp.full(1, S), anchor[None],
                                      jax.random.split(jax.random.key(0), 1), jnp.float32(0.0), embed, head_w)
     return dict(h=h[0, 0], base=h[0, 0] @ head_w, corrected=corrected, conf=conf, tokens=tokens[0],
                 conf_draft=conf_draft[0])
@@ -185,8 +187,8 @@ def _drafter_block(graph, state, taps, anchor, prev, embed, lm_head):
 def ours_block(drafter, target, ctx: np.ndarray, anchor: int, prev: np.ndarray):
     graph, state = nnx.split(drafter)
     w = target.weights
-    out = _drafter_block(graph, state, jnp.asarray(ctx.reshape(S_CTX, len(AUX), D)), jnp.int32(anchor),
-                         jnp.asarray(prev), w.embed, w.lm_head)
+    taps = jnp.asarray(ctx.reshape(ctx.shape[0], drafter.cfg.n_taps, -1))  # [S, M, D]
+    out = _drafter_block(graph, state, taps, jnp.int32(anchor), jnp.asarray(prev), w.embed, w.lm_head)
     return {k: np.asarray(v) for k, v in out.items()}
 
 
