@@ -304,6 +304,36 @@ def exportable(vocab: int = V, draft_ids=None, seed: int = 0, **over) -> dr.Draf
     return randomized(dr.Drafter(cfg, rngs=nnx.Rngs(seed), vocab_ids=draft_ids), seed)
 
 
+def test_check_export_decodes_the_same_with_the_read_back_drafter(verifier, tmp_path, monkeypatch, capsys):
+    """`python -m train.check_export`: the export of one of our drafters, read back, decodes the same prompts with
+    the same rounds, accepted drafts and tokens at T = 1 (same draws); a read-back drafter that differs (one weight
+    moved) is caught: exit status 1, naming the requests."""
+    from train import check_export
+
+    path, _ = verifier
+    save_drafter(exportable(draft_ids=DRAFT_IDS, seed=2), tmp_path / "ours", dtype=np.float32)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("hi there", "a b c", "once", "why")))
+    argv = ["--draft", str(tmp_path / "ours"), "--format", "speculators", "--model", str(path), "--prompts",
+            str(prompts), "--half", "all", "--max-new-tokens", "12", "--temperature", "1", "--concurrency", "2"]
+    result = check_export.main(argv + ["--out", str(tmp_path / "check")])
+    assert result["requests_that_differ"] == [] and result["prompts"] == 4 and result["rounds"] > 4
+    assert result["accept_len"] == result["accept_len_export"]
+    assert json.loads((tmp_path / "check" / "check.json").read_text())["tokens"] == result["tokens"] > 0
+
+    def moved(source, **kw):  # the export as read back, one matrix off
+        drafter, meta, temps, folder = resolve_drafter(source, **kw)
+        if "spec" in str(source):
+            k = drafter.ctx_proj.kernel.value
+            drafter.ctx_proj.kernel.value = k + jax.random.normal(jax.random.key(0), k.shape, k.dtype)
+        return drafter, meta, temps, folder
+
+    monkeypatch.setattr(check_export, "resolve_drafter", moved)
+    with pytest.raises(SystemExit) as e:
+        check_export.main(argv + ["--out", str(tmp_path / "spec-check")])
+    assert e.value.code == 1 and "requests that differ" in capsys.readouterr().err
+
+
 def test_export_cli_writes_both_formats_with_their_calibration(verifier, tmp_path):
     """`python -m dspark_jax.export`: one of our drafter folders (reduced vocabulary, STS temperatures beside it)
     to speculators and back, parameter for parameter, with sts.json carried beside the weights; a full-vocabulary
