@@ -1,7 +1,7 @@
 """Write a drafter in another engine's checkpoint format: vLLM speculators or DeepSpec.
 
     python -m dspark_jax.export --format speculators DRAFTER OUT [--model TARGET] [--verifier HF_ID]
-    python -m dspark_jax.export --format deepspec DRAFTER OUT [--model TARGET] [--mask-token-id ID]
+    python -m dspark_jax.export --format deepspec DRAFTER OUT [--model TARGET] [--mask-token-id ID] [--widen-vocab]
 
 DRAFTER is whatever ``--draft`` takes: a shipped name (``dspark``, ``dflash``), one of our drafter folders, a DeepSpec
 or a speculators checkpoint folder. ``speculators`` (``models.speculators``) is what vLLM serves
@@ -18,14 +18,17 @@ neither format has a field for them; this package reads them back, other engines
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 
 from dspark_jax.cli import model_path, nonnegative_int
 from dspark_jax.drafters import installed_package_path, resolve_drafter
+from dspark_jax.heads import convert_drafter
 from dspark_jax.models.deepspec import check_drafter_fits, deepspec_refusals, save_deepspec_drafter
 from dspark_jax.models.speculators import save_speculators_drafter, speculators_refusals
 
@@ -48,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mask-token-id", type=nonnegative_int,
                    help="deepspec: the unused token row that takes a learned mask vector")
     p.add_argument("--store-dtype", choices=STORE_DTYPES, help="the stored dtype (default: the drafter's)")
+    p.add_argument("--widen-vocab", action="store_true",
+                   help="write a drafter of a reduced draft vocabulary as one proposing from the full vocabulary "
+                        "(DeepSpec's only kind): the LM head takes every target row, the Markov head's new tokens "
+                        "start as its out-of-vocabulary ones did; its drafts can differ from the original's "
+                        "(check them: python -m train.check_export), the output stays lossless either way")
     return p
 
 
@@ -74,11 +82,22 @@ def main(argv: list[str] | None = None) -> Path:
     except ValueError as err:
         p.error(str(err))
     cfg = drafter.cfg
+    if args.widen_vocab and cfg.draft_vocab < cfg.vocab_size:
+        try:
+            drafter = convert_drafter(drafter, dataclasses.replace(cfg, draft_vocab_size=0),
+                                      vocab_ids=np.arange(cfg.vocab_size)).drafter
+        except ValueError as err:
+            p.error(f"--widen-vocab: {err}")
+        print(f"--widen-vocab: the draft vocabulary widened from {cfg.draft_vocab} to all {cfg.vocab_size} tokens; "
+              f"this is a different drafter, whose drafts can differ from {args.drafter}'s", file=sys.stderr)
+        cfg = drafter.cfg
     if args.format == "speculators":
         refusals = speculators_refusals(cfg)
         needs_target = cfg.own_embeddings or cfg.draft_vocab < cfg.vocab_size
     else:
-        refusals = deepspec_refusals(cfg, mask_token_id=args.mask_token_id)
+        refusals = [r + (" (--widen-vocab writes it proposing from every token: a different drafter)"
+                         if "reduced draft vocabulary" in r else "")
+                    for r in deepspec_refusals(cfg, mask_token_id=args.mask_token_id)]
         needs_target = not cfg.own_embeddings
     if refusals:
         p.error(f"{args.drafter}: the {args.format} format cannot hold this drafter:"

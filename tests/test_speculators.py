@@ -334,6 +334,32 @@ def test_check_export_decodes_the_same_with_the_read_back_drafter(verifier, tmp_
     assert e.value.code == 1 and "requests that differ" in capsys.readouterr().err
 
 
+def test_widen_vocab_writes_a_reduced_vocabulary_drafter_for_deepspec(verifier, tmp_path, capsys):
+    """DeepSpec proposes from the full vocabulary only: a reduced-vocabulary drafter is refused with the way out
+    named, and ``--widen-vocab`` writes it over every token. On its old vocabulary the widened drafter computes
+    what the original does (same logits for those tokens along the same chain, same confidences); the new tokens
+    take the target's LM head rows and the Markov head's out-of-vocabulary row, and the command says the drafter
+    changed."""
+    from dspark_jax import export
+
+    path, target = verifier
+    drafter = exportable(draft_ids=DRAFT_IDS, seed=6)
+    save_drafter(drafter, tmp_path / "ours", dtype=np.float32)
+    with pytest.raises(SystemExit):
+        export.main(["--format", "deepspec", str(tmp_path / "ours"), str(tmp_path / "ds"), "--model", str(path)])
+    assert "reduced draft vocabulary of 96 of 320 tokens (--widen-vocab" in capsys.readouterr().err
+    export.main(["--format", "deepspec", str(tmp_path / "ours"), str(tmp_path / "ds"), "--model", str(path),
+                 "--widen-vocab"])
+    assert "widened from 96 to all 320 tokens; this is a different drafter" in capsys.readouterr().err
+    wide, meta = load_deepspec_drafter(tmp_path / "ds", target.cfg)
+    assert wide.cfg.draft_vocab == V
+    ctx = np.random.default_rng(3).normal(size=(S_CTX, len(AUX) * D)).astype(np.float32)
+    prev = np.array([5, int(DRAFT_IDS[3]), 7, int(DRAFT_IDS[9])], np.int32)  # in and out of the old vocabulary
+    a, b = ours_block(drafter, target, ctx, 5, prev), ours_block(wide, target, ctx, 5, prev)
+    np.testing.assert_allclose(b["corrected"][:, DRAFT_IDS], a["corrected"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(b["conf"], a["conf"], rtol=1e-5, atol=1e-5)
+
+
 def test_export_cli_writes_both_formats_with_their_calibration(verifier, tmp_path):
     """`python -m dspark_jax.export`: one of our drafter folders (reduced vocabulary, STS temperatures beside it)
     to speculators and back, parameter for parameter, with sts.json carried beside the weights; a full-vocabulary
