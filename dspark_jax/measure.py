@@ -89,7 +89,7 @@ DEFAULT_CONTEXT_LENGTHS = (120, 248, 504, 1016)
 DEFAULT_MAX_TOKENS = 512
 # The shipped drafter's shape (weights do not change the cost): 3 layers, FFN 1536, Markov rank 256, 8192 draft
 # tokens, its tapped layers normed (tests/test_assets.py checks it against the shipped config).
-SHIPPED_DRAFTER = dict(n_layers=3, ffn_dim=1536, rank=256, draft_vocab_size=8192, tap_norm=True)
+SHIPPED_DRAFTER = dict(n_layers=3, ffn_dim=1536, rank=256, draft_vocab_size=8192, qk_norm=True, tap_norm=False)
 _KNOWN_BACKENDS = ("cpu", "gpu", "tpu")
 # What a table's simple points are (metadata).
 POINTS_NOTE = ("rounds/s = 1 / (draft(R) + verify(R, B) + overhead(drafting, R, B)) at the reference context, "
