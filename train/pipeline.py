@@ -254,7 +254,8 @@ def _exported(export_main, fmt: str):
         cfg = json.loads((drafter / "config.json").read_text())["config"]
         if fmt == "deepspec" and cfg.get("draft_vocab_size", 0):
             print(f"   {drafter}: not written as DeepSpec, which holds the full vocabulary only (this drafter "
-                  f"proposes {cfg['draft_vocab_size']} of {cfg['vocab_size']} tokens; --draft-vocab 0 for both)")
+                  f"proposes {cfg['draft_vocab_size']} of {cfg['vocab_size']} tokens; --draft-vocab 0 for both, or "
+                  f"dspark_jax.export --widen-vocab for a widened, different drafter)")
             return None
         return export_main(argv)
 
