@@ -308,7 +308,7 @@ def test_check_export_decodes_the_same_with_the_read_back_drafter(verifier, tmp_
     """`python -m train.check_export`: the export of one of our drafters, read back, decodes the same prompts with
     the same rounds, accepted drafts and tokens at T = 1 (same draws); a read-back drafter that differs (one weight
     moved) is caught: exit status 1, naming the requests."""
-    from train import check_export
+    from train import check_export, evaluate
 
     path, _ = verifier
     save_drafter(exportable(draft_ids=DRAFT_IDS, seed=2), tmp_path / "ours", dtype=np.float32)
@@ -328,7 +328,7 @@ def test_check_export_decodes_the_same_with_the_read_back_drafter(verifier, tmp_
             drafter.ctx_proj.kernel.value = k + jax.random.normal(jax.random.key(0), k.shape, k.dtype)
         return drafter, meta, temps, folder
 
-    monkeypatch.setattr(check_export, "resolve_drafter", moved)
+    monkeypatch.setattr(evaluate, "resolve_drafter", moved)
     with pytest.raises(SystemExit) as e:
         check_export.main(argv + ["--out", str(tmp_path / "spec-check")])
     assert e.value.code == 1 and "requests that differ" in capsys.readouterr().err

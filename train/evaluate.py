@@ -23,9 +23,8 @@ from dspark_jax.timing import write_json
 from dspark_jax.cli import nonnegative_int, positive_int, temperature, writable_file
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(p)  # --model, --dtype, --draft
+def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
+    """The prompt and decoding options of a fixed-block evaluation (this command's, `train.check_export`'s)."""
     p.add_argument("--prompts", nargs="+", required=True, help="JSONL files or folders")
     p.add_argument("--limit", type=positive_int, help="prompts per file (after --half)")
     p.add_argument("--half", default="eval", choices=["all", "calib", "eval"],
@@ -36,6 +35,30 @@ def main(argv=None):
     p.add_argument("--temperature", type=temperature, default=1.0)
     p.add_argument("--concurrency", type=positive_int, default=8)
     p.add_argument("--seed", type=nonnegative_int, default=0)
+
+
+def decode_and_report(model, draft: str, prompts, args, *, mesh=None, use_sts: bool = True, labels=None):
+    """Decode ``prompts`` with the drafter ``draft`` verifying the whole block every round (``args``: the
+    `add_decoding_arguments` options) and report its acceptance and calibration (`evaluate_rounds`, with the STS set
+    the engine used at this temperature: a drafter may carry sets fitted at several). Returns (report, each request's
+    emitted tokens in prompt order, the drafter, its folder)."""
+    drafter, _, temps, path = resolve_drafter(draft, target_cfg=model.cfg)
+    temps = temps if use_sts else None
+    rounds, engine = fixed_block_rounds(model, drafter, prompts, max_new_tokens=args.max_new_tokens, mesh=mesh,
+                                        temperature=args.temperature, concurrency=args.concurrency, seed=args.seed,
+                                        sts_temperatures=temps)
+    sets = None if temps is None else STSSets.of(temps)
+    used = (None, None) if sets is None else (sets.for_temperature(args.temperature),
+                                              sets.biases_for_temperature(args.temperature))
+    report = evaluate_rounds(rounds, drafter.cfg.block, *used, labels=labels)
+    outputs = [list(map(int, engine.requests[i].output_ids)) for i in range(len(prompts))]
+    return report, outputs, drafter, path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p)  # --model, --dtype, --draft
+    add_decoding_arguments(p)
     p.add_argument("--no-sts", action="store_true", help="ignore the drafter's STS temperatures")
     p.add_argument("--json", metavar="OUT", type=writable_file)  # checked before the decoding, not after it
     args = p.parse_args(argv)
@@ -46,21 +69,12 @@ def main(argv=None):
         p.error(str(e))
     mesh = mesh_from_args(args)
     model = load_target(args.model, dtype=args.dtype, mesh=mesh)
-    drafter, meta, temps, path = resolve_drafter(args.draft, target_cfg=model.cfg)
-    if args.no_sts:
-        temps = None
     kept = encode_chosen(model.tokenizer, chosen_per_file, args.max_prompt_tokens)
     prompts = [ids for _, _, ids in kept]
-    rounds, engine = fixed_block_rounds(model, drafter, prompts, max_new_tokens=args.max_new_tokens, mesh=mesh,
-                                        temperature=args.temperature, concurrency=args.concurrency, seed=args.seed,
-                                        sts_temperatures=temps)
-    # the STS set the engine used at this temperature (a drafter may carry sets fitted at several)
-    sets = None if temps is None else STSSets.of(temps)
-    used = (None, None) if sets is None else (sets.for_temperature(args.temperature),
-                                              sets.biases_for_temperature(args.temperature))
     # each request's rounds, labelled [file, position among the file's chosen prompts]: `summarize_eval --first N`
     # cuts a report to the prompts `--limit N` would have chosen
-    report = evaluate_rounds(rounds, drafter.cfg.block, *used, labels=[[f, i] for f, i, _ in kept])
+    report, _, drafter, path = decode_and_report(model, args.draft, prompts, args, mesh=mesh, use_sts=not args.no_sts,
+                                                 labels=[[f, i] for f, i, _ in kept])
     report.update(draft=str(path), model=args.model, prompts=len(prompts), temperature=args.temperature,
                   max_new_tokens=args.max_new_tokens, block=drafter.cfg.block, half=args.half,
                   prompts_over_limit=sum(map(len, chosen_per_file)) - len(prompts))  # dropped: > --max-prompt-tokens
