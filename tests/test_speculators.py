@@ -452,13 +452,14 @@ def check_shipped_round_trip(spec, target, verifier: Path, source: str, tmp_path
 def test_the_shipped_drafters_export_to_speculators_and_the_reference_loads_them(spec, target, smollm2_folder, name,
                                                                                    tmp_path):
     """The shipped SmolLM2 pair in the speculators format: exported, read back equal, loaded by the reference classes
-    and drafting there as here. DeepSpec, which proposes from the full vocabulary only, refuses the pair's 8192-token
-    draft vocabulary by name before any target loads."""
+    and drafting there as here."""
     check_shipped_round_trip(spec, target, smollm2_folder, name, tmp_path)
 
 
 @pytest.mark.parametrize("name", ["dspark", "dflash"])
 def test_deepspec_refuses_the_shipped_reduced_vocabulary(name, tmp_path, capsys):
+    """DeepSpec, which proposes from the full vocabulary only, refuses the shipped pair's 8192-token draft vocabulary
+    by name, before any target loads, and writes nothing."""
     from dspark_jax import export
 
     with pytest.raises(SystemExit):

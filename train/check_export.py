@@ -19,10 +19,9 @@ from pathlib import Path
 
 from dspark_jax import export
 from dspark_jax.build import add_model_arguments, load_target
-from dspark_jax.drafters import drafter_source
-from dspark_jax.evaluation import encode_chosen, half_per_file
+from dspark_jax.evaluation import encode_chosen
 from dspark_jax.timing import write_json
-from train.evaluate import add_decoding_arguments, decode_and_report
+from train.evaluate import add_decoding_arguments, chosen_prompts, decode_and_report
 
 
 def main(argv=None) -> dict:
@@ -34,11 +33,7 @@ def main(argv=None) -> dict:
     p.add_argument("--verifier", help="speculators: the target's Hugging Face id or path, recorded in the config")
     p.add_argument("--out", required=True, help="folder for the export and check.json")
     args = p.parse_args(argv)
-    try:
-        chosen = half_per_file(args.prompts, args.half, args.limit)
-        drafter_source(args.draft)
-    except (ValueError, OSError) as e:
-        p.error(str(e))
+    chosen = chosen_prompts(p, args)
     out = Path(args.out)
     folder = out / args.format
     export.main(["--format", args.format, args.draft, str(folder)] + (["--model", args.model] if args.model else [])

@@ -37,6 +37,17 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=nonnegative_int, default=0)
 
 
+def chosen_prompts(p: argparse.ArgumentParser, args) -> list[list]:
+    """The prompts `add_decoding_arguments` chose, per file (`half_per_file`), with ``--draft`` checked too: bad
+    paths, prompt lines or drafter folders stop the command (``p.error``) before any model loads."""
+    try:
+        chosen = half_per_file(args.prompts, args.half, args.limit)
+        drafter_source(args.draft)
+    except (ValueError, OSError) as e:
+        p.error(str(e))
+    return chosen
+
+
 def decode_and_report(model, draft: str, prompts, args, *, mesh=None, use_sts: bool = True, labels=None):
     """Decode ``prompts`` with the drafter ``draft`` verifying the whole block every round (``args``: the
     `add_decoding_arguments` options) and report its acceptance and calibration (`evaluate_rounds`, with the STS set
@@ -62,11 +73,7 @@ def main(argv=None):
     p.add_argument("--no-sts", action="store_true", help="ignore the drafter's STS temperatures")
     p.add_argument("--json", metavar="OUT", type=writable_file)  # checked before the decoding, not after it
     args = p.parse_args(argv)
-    try:
-        chosen_per_file = half_per_file(args.prompts, args.half, args.limit)
-        drafter_source(args.draft)
-    except (ValueError, OSError) as e:
-        p.error(str(e))
+    chosen_per_file = chosen_prompts(p, args)
     mesh = mesh_from_args(args)
     model = load_target(args.model, dtype=args.dtype, mesh=mesh)
     kept = encode_chosen(model.tokenizer, chosen_per_file, args.max_prompt_tokens)
