@@ -7,7 +7,7 @@ Closed loop: N users each send their next prompt (math, code and chat mixed) whe
 finishes. For every concurrency, temperature and policy: total output tokens/s (median over repeated
 measurement windows, spread = half their range), tokens/s per user, accepted length, mean scheduled drafts per
 request per round and the share of verified drafts rejected; ratios against `none` and the best fixed K of
-the same run. Rounds that compiled are excluded from the timing. A window is a number of emitted tokens, the
+the same run. Each point runs once untimed first and is timed on fresh engines (`--prerun`, below); rounds that still compiled are excluded from the timing. A window is a number of emitted tokens, the
 same for every policy (`--rounds` x N, at least `--min-window-tokens`), so that window k of every policy
 serves the same prompts (exactly the same answers at temperature 0, decoding being lossless).
 
@@ -66,7 +66,7 @@ def engine_policy(text: str):
 # What a resumed run must share with the interrupted one for their rows to belong to one measurement.
 _SAME = ("concurrency", "temperatures", "policies", "thresholds", "threshold_sweep_at", "max_new_tokens",
          "max_prompt_tokens", "warmup_rounds", "rounds", "repeats", "min_window_tokens", "draft", "sps", "prompts",
-         "seed", "sequential", "quick", "model")
+         "seed", "sequential", "quick", "model", "prerun")
 
 
 def settings(args) -> dict:
@@ -184,6 +184,12 @@ def main(argv=None):
                         "which a cache would serve instead of prefilling; profiling.bench_prefix measures it)")
     p.add_argument("--sequential", action="store_true",
                    help="measure each policy's windows back to back (default: policies interleaved round by round)")
+    p.add_argument("--prerun", action=argparse.BooleanOptionalAction, default=True,
+                   help="run every point once untimed, then again on fresh engines for the timing (default): "
+                        "XLA:CPU generates the machine code of a program's branch at its first execution, which "
+                        "jax does not report as a compile, so a round that first takes a path (a probe, a "
+                        "scheduler stage) costs 3-6x a steady one; the first run takes every path the timed run "
+                        "will take. --no-prerun (the default of --quick): time the first run (half the time; such rounds counted)")
     p.add_argument("--control", action="store_true",
                    help=f"add a second `none` engine ({CONTROL!r}) to every point: its ratio to `none` is the "
                         "noise floor of the ratios (two identical engines)")
@@ -194,7 +200,7 @@ def main(argv=None):
                    help="keep the points (and threshold sweeps) already in --json from an interrupted run with the "
                         "same settings, and measure only the rest")
     args = parse_with_quick(p, argv, concurrency=[1, 16], temperatures=[0.0], policies=["none", "fixed:3", "dspark"],
-                            max_new_tokens=48, warmup_rounds=3, rounds=6, repeats=2, min_window_tokens=12)
+                            max_new_tokens=48, warmup_rounds=3, rounds=6, repeats=2, min_window_tokens=12, prerun=False)
     if args.control and CONTROL not in args.policies:
         args.policies = [*args.policies, CONTROL]
     if args.recompute:
@@ -264,12 +270,18 @@ def main(argv=None):
                     window_tokens=window_tokens(n, args.rounds, args.min_window_tokens), repeats=args.repeats)
 
     def measure(policy_text, n, temp):
+        if args.prerun:  # the same run untimed first: every program and branch it takes compiled and generated
+            closed_loop(engine_for(policy_text, n, temp), prompts, n, args.max_new_tokens, **sizes(n))
         engine = engine_for(policy_text, n, temp)
         res = closed_loop(engine, prompts, n, args.max_new_tokens, **sizes(n))
         return report(policy_text, n, temp, res, engine)
 
     def measure_interleaved(policies, n, temp):
-        """Every policy's loop warmed up, then the windows, the policies stepping one round each in turn."""
+        """Every policy's loop warmed up, then the windows, the policies stepping one round each in turn (after
+        the same run untimed on other engines of the same settings, with ``--prerun``)."""
+        if args.prerun:
+            interleaved({pol: engine_for(pol, n, temp) for pol in policies}, prompts, n, args.max_new_tokens,
+                        **sizes(n))
         engines = {pol: engine_for(pol, n, temp) for pol in policies}
         res = interleaved(engines, prompts, n, args.max_new_tokens, **sizes(n))
         return [report(pol, n, temp, res[pol], engines[pol]) for pol in policies]

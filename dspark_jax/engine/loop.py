@@ -268,6 +268,12 @@ class Engine:
             temps=self.temps if drafting else None, sps=self.sps, cost=self.cost,
             draft_vocab=self.draft_vocab if drafting else None, stop_ids=_put(self.stop_ids),
             policy_value=self._policy_value)
+        # A round where no request has the drafter's context runs plain decoding's program: without the drafter
+        # in its inputs, the verification compiles to what `none` runs (the drafter's caches and gate pass
+        # through untouched). With them, skipping the context write and the gate under their conditions still
+        # cost ~4% of a round at 4 users on a 2-core CPU (docs/design.md, the drafter off).
+        self._plain_inputs = dataclasses.replace(self._inputs, graph=None, dstate=None, head_w=None, temps=None,
+                                                 cost=None, draft_vocab=None)
 
     # ------------------------------------------------------------------------------------------------ state
     @property
@@ -749,6 +755,12 @@ class Engine:
                     self._round_spec(R, T, per_slot), self._inputs, self.state, d, conf, drafted, scale,
                     drafting=self._flag(False), masks=self._no_mask((R, P, self._mask_words)),
                     constrained=self._flag(False), logprobs=self._flag(False))
+                if per_slot == 1 and self.drafter is not None and self._may_drop_context:
+                    # the same round where no request has the drafter's context (after the learned cut-off)
+                    self.state, _ = programs.verify_and_commit(
+                        self._round_spec(R, T, per_slot), self._plain_inputs, self.state, None, None, None, scale,
+                        drafting=self._flag(False), masks=self._no_mask((R, P, self._mask_words)),
+                        constrained=self._flag(False), logprobs=self._flag(False))
         # The drafter gate's state starts afresh (warm-up rounds had no requests).
         self.state = self.state.replace(gate=self._init_gate())
         self._gate_closed = False
@@ -832,11 +844,12 @@ class Engine:
             mask_arr, mask_flag = _put(np.ascontiguousarray(masks[:, :P]).view(np.uint32)), self._flag(True)
         else:
             mask_arr, mask_flag = self._no_mask((R, P, self._mask_words)), self._flag(False)
-        conf, drafted_arr = self._round_conf(d, R)
+        conf, drafted_arr = self._round_conf(d, R) if drafting else (None, None)
         # logprobs are computed (and read) only in a round where some request asked for them
         want = bool(self._logprobs) and any(int(self.slot_request[s]) in self._logprobs for s in active_slots)
         with self._forward_mesh():
-            self.state, out = programs.verify_and_commit(self._round_spec(R, T, per_slot), self._inputs, self.state,
+            self.state, out = programs.verify_and_commit(self._round_spec(R, T, per_slot),
+                                                         self._inputs if drafting else self._plain_inputs, self.state,
                                                          d if B > n else None, conf, drafted_arr, scale,
                                                          drafting=self._flag(drafting), masks=mask_arr,
                                                          constrained=mask_flag, logprobs=self._flag(want))
@@ -937,7 +950,9 @@ class Engine:
 
     def _observe_round(self, drafted: bool, seconds: float, predicted: float) -> None:
         """Fold a round's measured time into the correction of the cost model (`gate.observe_round`)."""
-        self.round_times = gate.observe_round(self.round_times, self.gate_cfg, drafted, seconds, predicted)
+        times = gate.observe_round(self.round_times, self.gate_cfg, drafted, seconds, predicted)
+        if times is not self.round_times:  # unchanged (no prediction, or not calibrating): nothing to send
+            self.round_times = times
 
     @property
     def round_times(self) -> gate.RoundTimes:
