@@ -143,9 +143,9 @@ def test_bench_serving_rows_and_ratios(target, tmp_path, monkeypatch):
     real = bench_serving.interleaved
     monkeypatch.setattr(bench_serving, "interleaved",
                         lambda engines, prompts, n, *a, **k: measured.append(n) or real(engines, prompts, n, *a, **k))
-    bench_serving.main(argv + ["--resume"])
+    bench_serving.main(argv + ["--resume"])  # the point of 2 users: its untimed first run, then the timed one
     resumed = json.loads(out.read_text())
-    assert measured == [2] and resumed["complete"] is True and resumed["resumed_points"] == len(kept) - 2
+    assert measured == [2, 2] and resumed["complete"] is True and resumed["resumed_points"] == len(kept) - 2
     assert resumed["rows"][:len(kept)] == kept
     assert {(r["policy"], r["concurrency"]) for r in resumed["rows"] if not r.get("threshold_sweep")} == {
         (p, n) for p in policies for n in (1, 2)}
