@@ -13,9 +13,11 @@ every round. A round runs as two jitted programs with static shapes, each taking
    cache, and emit tokens.
 
 Everything else is an array, so few programs serve a whole run (`Engine.round_shapes`; at 64 slots of 8192
-positions, 33 verification programs and 7 draft programs): the attention reads the caches in parts up to the
-round's longest context (`llama.over_context`), a round whose requests are all greedy skips the sampling work
-under ``lax.cond``, and a round where no request has the drafter's context skips its context write and the gate.
+positions, 33 verification programs and 7 draft programs, and for an engine whose learned cut-off can switch the
+drafter off, the 7 plain verifications without it): the attention reads the caches in parts up to the round's
+longest context (`llama.over_context`), a round whose requests are all greedy skips the sampling work under
+``lax.cond``, and a round where no request has the drafter's context runs plain decoding's verification (the
+drafter left out of its inputs).
 Between the two the host reads one scalar, the batch size B, to pick the token bucket T (the shape of the
 second program); everything else stays on the device. With the ``dspark`` policies the second program also
 decides, on the state it commits, whether drafting will pay in the next round for the same requests (the drafter
