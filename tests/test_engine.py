@@ -264,9 +264,10 @@ def test_gate_margin_asks_drafting_for_a_clear_gain(model, drafter):
 
 def _spy(monkeypatch, name, log):
     """Record the keyword arguments of every call to the engine's jitted program ``name`` (`engine.programs`)
-    in ``log``."""
+    in ``log``, with ``with_drafter``: whether the drafter was among its inputs."""
     real = getattr(programs, name)
-    monkeypatch.setattr(programs, name, lambda *a, **k: log.append(k) or real(*a, **k))
+    monkeypatch.setattr(programs, name, lambda *a, **k: log.append(
+        {**k, "with_drafter": a[1].dstate is not None}) or real(*a, **k))
 
 
 def test_closed_gate_skips_the_draft_program(model, drafter, monkeypatch):
@@ -336,6 +337,8 @@ def test_the_drafter_is_switched_off_where_the_gate_stays_shut(model, drafter, m
             # powers of two capped at the slot count)
             assert e.drafter_offs == [(1, 3)], e.drafter_offs
             assert all(k["drafting"] for k in verifies[:2]) and not any(k["drafting"] for k in verifies[2:])
+            # from then on plain decoding's own verification: the drafter is not among its inputs
+            assert all(k["with_drafter"] for k in verifies[:2]) and not any(k["with_drafter"] for k in verifies[2:])
             assert not any(r.drafted for r in e.rounds)
             assert e.admissions["no_context"] >= 1 and len(prefill_ctx) == e.admissions["context"] == 3
         else:
