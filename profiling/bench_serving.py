@@ -7,9 +7,10 @@ Closed loop: N users each send their next prompt (math, code and chat mixed) whe
 finishes. For every concurrency, temperature and policy: total output tokens/s (median over repeated
 measurement windows, spread = half their range), tokens/s per user, accepted length, mean scheduled drafts per
 request per round and the share of verified drafts rejected; ratios against `none` and the best fixed K of
-the same run. Each point runs once untimed first and is timed on fresh engines (`--prerun`, below); rounds that still compiled are excluded from the timing. A window is a number of emitted tokens, the
-same for every policy (`--rounds` x N, at least `--min-window-tokens`), so that window k of every policy
-serves the same prompts (exactly the same answers at temperature 0, decoding being lossless).
+the same run. Each point runs once untimed first and is timed on fresh engines (`--prerun`, below); rounds
+that still compiled are excluded from the timing. A window is a number of emitted tokens, the same for every
+policy (`--rounds` x N, at least `--min-window-tokens`), so that window k of every policy serves the same
+prompts (exactly the same answers at temperature 0, decoding being lossless).
 
 Interleaved by default: at each (concurrency, temperature) every policy gets its own engine and closed loop
 (warmed up first, the same prompt stream for each), and inside each measurement window the policies step one
@@ -189,7 +190,8 @@ def main(argv=None):
                         "XLA:CPU generates the machine code of a program's branch at its first execution, which "
                         "jax does not report as a compile, so a round that first takes a path (a probe, a "
                         "scheduler stage) costs 3-6x a steady one; the first run takes every path the timed run "
-                        "will take. --no-prerun (the default of --quick): time the first run (half the time; such rounds counted)")
+                        "will take. --no-prerun (the default of --quick): time the first run (half the time; "
+                        "such rounds counted)")
     p.add_argument("--control", action="store_true",
                    help=f"add a second `none` engine ({CONTROL!r}) to every point: its ratio to `none` is the "
                         "noise floor of the ratios (two identical engines)")

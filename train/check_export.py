@@ -16,7 +16,6 @@ import argparse
 import sys
 from pathlib import Path
 
-
 from dspark_jax import export
 from dspark_jax.build import add_model_arguments, load_target
 from dspark_jax.evaluation import encode_chosen

@@ -88,7 +88,8 @@ def main(argv=None):
     print(f"{path.name}: {len(prompts)} prompts of the {args.half} half ({report['prompts_over_limit']} over "
           f"--max-prompt-tokens {args.max_prompt_tokens} left out), tau {report['accept_len']:.3f} over "
           f"{report['rounds']} rounds, "
-          f"ECE raw {report['ece_raw']:.4f}" + (f", ECE STS {report['ece_sts']:.4f}" if report["ece_sts"] is not None else "")
+          f"ECE raw {report['ece_raw']:.4f}"
+          + (f", ECE STS {report['ece_sts']:.4f}" if report["ece_sts"] is not None else "")
           + f", AUROC {report['auroc']:.3f}")
     print("survival per position: " + " ".join(f"{r['survival']:.3f}" for r in report["per_position"]))
     if args.json:

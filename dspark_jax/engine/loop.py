@@ -748,17 +748,16 @@ class Engine:
                 drafts[R] = (programs.draft_and_schedule(self._round_spec(R), self._inputs, self.state, scale)
                              if self.drafter is not None else None)
             d = drafts[R] if per_slot > 1 else None
-            conf, drafted = self._round_conf(d, R)
+            # (inputs, confidences, drafted) of each program of this shape: the engine's own, and for a plain round
+            # of an engine whose cut-off can switch the drafter off, the one where no request has its context
+            variants = [(self._inputs, *self._round_conf(d, R))]
+            if per_slot == 1 and self.drafter is not None and self._may_drop_context:
+                variants.append((self._plain_inputs, None, None))
             P = self.G + 1 if per_slot > 1 else 2
             with self._forward_mesh():
-                self.state, _ = programs.verify_and_commit(
-                    self._round_spec(R, T, per_slot), self._inputs, self.state, d, conf, drafted, scale,
-                    drafting=self._flag(False), masks=self._no_mask((R, P, self._mask_words)),
-                    constrained=self._flag(False), logprobs=self._flag(False))
-                if per_slot == 1 and self.drafter is not None and self._may_drop_context:
-                    # the same round where no request has the drafter's context (after the learned cut-off)
+                for inputs, conf, drafted in variants:
                     self.state, _ = programs.verify_and_commit(
-                        self._round_spec(R, T, per_slot), self._plain_inputs, self.state, None, None, None, scale,
+                        self._round_spec(R, T, per_slot), inputs, self.state, d, conf, drafted, scale,
                         drafting=self._flag(False), masks=self._no_mask((R, P, self._mask_words)),
                         constrained=self._flag(False), logprobs=self._flag(False))
         # The drafter gate's state starts afresh (warm-up rounds had no requests).
